@@ -1,0 +1,25 @@
+"""Errors ftmem raises. Each message says what is wrong and what to do about it."""
+
+
+class FtmemError(RuntimeError):
+    """Base class of every error ftmem raises on purpose."""
+
+
+class ConfigError(FtmemError, ValueError):
+    """A configuration value or key is wrong."""
+
+
+class ShmBudgetError(FtmemError):
+    """The shared-memory filesystem cannot hold the snapshots this rank needs."""
+
+
+class SmpError(FtmemError):
+    """The node's snapshot management process could not be reached or started."""
+
+
+class NoRecoverableVersion(FtmemError):
+    """No version is held, intact, by every rank of the job."""
+
+
+class CorruptShard(FtmemError):
+    """A held shard's bytes do not match the checksum taken when it was saved."""

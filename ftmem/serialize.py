@@ -1,0 +1,76 @@
+"""Split a rank's state into a small pickled skeleton and the list of its tensors.
+
+Tensor data is never pickled: the skeleton holds a reference (an index) in place of
+each tensor, through pickle's persistent-id hook, the same way ``torch.save`` keeps
+storages out of its pickle. Any picklable structure works (dicts, lists, tuples,
+dataclasses, OrderedDicts, ...). A tensor object that appears twice is stored once
+and comes back as one object.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Sequence
+
+import torch
+
+_TENSOR_REF = "ftmem.tensor"
+
+
+class UnsupportedTensor(TypeError):
+    pass
+
+
+def _check_plain_tensor(t: torch.Tensor) -> None:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedTensor(
+            f"ftmem snapshots plain tensors and nn.Parameter, not {type(t).__name__}: "
+            f"hand the engine the local tensor (e.g. DTensor.to_local()) and its layout."
+        )
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        raise UnsupportedTensor(
+            f"ftmem snapshots dense strided tensors; got layout={t.layout}, device={t.device}, "
+            f"quantized={t.is_quantized}. Convert it (e.g. .to_dense()) before saving."
+        )
+
+
+class _SkeletonPickler(pickle.Pickler):
+    def __init__(self, buf: io.BytesIO):
+        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self._index_of: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any):
+        if not isinstance(obj, torch.Tensor):
+            return None
+        _check_plain_tensor(obj)
+        index = self._index_of.get(id(obj))
+        if index is None:
+            index = self._index_of[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return (_TENSOR_REF, index)
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    def __init__(self, buf: io.BytesIO, tensors: Sequence[torch.Tensor]):
+        super().__init__(buf)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any):
+        kind, index = pid
+        if kind != _TENSOR_REF:
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r} in an ftmem skeleton")
+        return self._tensors[index]
+
+
+def split_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """Return (skeleton bytes, tensors in reference order)."""
+    buf = io.BytesIO()
+    pickler = _SkeletonPickler(buf)
+    pickler.dump(state)
+    return buf.getvalue(), pickler.tensors
+
+
+def join_state(skeleton: bytes, tensors: Sequence[torch.Tensor]) -> Any:
+    """Inverse of :func:`split_state`: put ``tensors`` back in their places."""
+    return _SkeletonUnpickler(io.BytesIO(skeleton), tensors).load()
