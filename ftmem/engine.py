@@ -159,6 +159,11 @@ class SnapshotEngine:
             handle, self._inflight = self._inflight, None
             handle.wait_reusable()
 
+    def wait_sealed(self) -> None:
+        """Wait until the node's SMP has checksummed every committed version."""
+        self.wait()
+        self._smp.request("sync")
+
     # -- what is held ---------------------------------------------------------
     def versions(self) -> list[int]:
         """Versions this rank holds committed in shared memory, oldest first."""
@@ -173,8 +178,7 @@ class SnapshotEngine:
         None if no version is common to all ranks (e.g. a fresh job). Held versions
         newer than the restored one are dropped.
         """
-        self.wait()
-        self._smp.request("sync")  # seal whatever was committed but not sealed yet
+        self.wait_sealed()  # whatever was committed but not sealed yet gets its checksum now
         intact = {}
         for v in self.versions():
             try:

@@ -158,6 +158,7 @@ def main(argv=None) -> None:
     parser.add_argument("--parity-fraction", type=float, default=0.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ftmem.smp[%(process)d] %(message)s")
+    os.nice(10)  # its work (checksums, later parity) must yield the cores to training
     ranks = [int(r) for r in args.ranks.split(",")]
     SnapshotManager(args.node_dir, ranks, args.parity_fraction).serve()
 

@@ -40,7 +40,7 @@ def running_smp(node_dir: str) -> Optional[int]:
     if pid is None or not pid_alive(pid):
         return None
     args = cmdline(pid)
-    if "ftmem.smp" not in args or node_dir not in args:
+    if not any("ftmem.smp" in a for a in args) or node_dir not in args:
         return None  # a recycled pid
     return pid
 

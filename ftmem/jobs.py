@@ -1,0 +1,91 @@
+"""What the shared-memory directory holds, job by job, and freeing it.
+
+Used by ``ftmem status`` and ``ftmem clean``; reads only the filesystem and /proc,
+so it works whether or not the SMPs and trainers are alive.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from typing import Optional
+
+from .identity import ROOT_NAME
+from .procs import pid_alive
+from .slots import RankStore, ranks_in
+from .smp_client import NODE_FILE, running_smp
+
+SMP_STOP_TIMEOUT_S = 5.0
+
+
+def list_jobs(shm_dir: str) -> list[str]:
+    root = os.path.join(shm_dir, ROOT_NAME)
+    return sorted(os.listdir(root)) if os.path.isdir(root) else []
+
+
+def _node_dirs(shm_dir: str, job: str) -> list[tuple[int, str]]:
+    job_dir = os.path.join(shm_dir, ROOT_NAME, job)
+    nodes = []
+    for name in os.listdir(job_dir) if os.path.isdir(job_dir) else []:
+        if name.startswith("node") and name[4:].isdigit():
+            nodes.append((int(name[4:]), os.path.join(job_dir, name)))
+    return sorted(nodes)
+
+
+def _node_ranks(path: str) -> list[int]:
+    try:
+        with open(os.path.join(path, NODE_FILE)) as f:
+            return json.load(f)["ranks"]
+    except (FileNotFoundError, ValueError, KeyError):
+        return ranks_in(path)
+
+
+def node_status(node: int, path: str) -> dict:
+    """One node's entry of ``ftmem status --json`` (DESIGN.md §5)."""
+    ranks = _node_ranks(path)
+    held = [set(RankStore(path, r).committed()) for r in ranks]
+    complete = sorted(set.intersection(*held)) if held else []
+    return {
+        "node": node,
+        "smp_pid": running_smp(path),
+        "path": path,
+        "ranks": ranks,
+        "versions": complete,
+        # Protection needs parity across nodes, which this node does not hold yet.
+        "protected": None,
+    }
+
+
+def status(shm_dir: str, job: Optional[str] = None) -> dict:
+    jobs = [job] if job else list_jobs(shm_dir)
+    return {"jobs": [{"job": j, "nodes": [node_status(n, p) for n, p in _node_dirs(shm_dir, j)]} for j in jobs]}
+
+
+def _stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + SMP_STOP_TIMEOUT_S
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def clean(shm_dir: str, job: str) -> list[str]:
+    """Stop the job's SMPs and delete its shared memory; returns the paths freed."""
+    freed = []
+    for _, path in _node_dirs(shm_dir, job):
+        pid = running_smp(path)
+        if pid is not None:
+            _stop(pid)
+        shutil.rmtree(path, ignore_errors=True)
+        freed.append(path)
+    try:
+        os.rmdir(os.path.join(shm_dir, ROOT_NAME, job))
+    except OSError:
+        pass
+    return freed

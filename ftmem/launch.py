@@ -1,0 +1,84 @@
+"""Start a job's ranks as local processes, one per rank, so that single ranks can be
+SIGKILLed and the job restarted: what torchrun does, minus its restart policy, for
+``ftmem demo`` and the crash tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class LocalJob:
+    """``world_size`` processes running ``python -m <module> <args>`` as ranks of one job."""
+
+    def __init__(self, module: str, args: Sequence[str], world_size: int, job_id: str,
+                 log_dir: str, env: Optional[dict] = None, rank_env: Optional[dict] = None):
+        os.makedirs(log_dir, exist_ok=True)
+        port = str(free_port())
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(world_size):
+            proc_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                            FTMEM_JOB_ID=job_id, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                            **(env or {}), **((rank_env or {}).get(rank, {})))
+            with open(self.log_path(rank), "ab") as log:
+                self.procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=proc_env,
+                                                   stdout=log, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL))
+
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self.log_dir, f"rank{rank}.log")
+
+    @staticmethod
+    def read_log(log_dir: str, rank: int) -> str:
+        """What a rank printed, across every job started with this log dir."""
+        with open(os.path.join(log_dir, f"rank{rank}.log"), errors="replace") as f:
+            return f.read()
+
+    def log(self, rank: int) -> str:
+        return self.read_log(self.log_dir, rank)
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL one rank, as a crash would."""
+        if self.procs[rank].poll() is None:
+            os.kill(self.procs[rank].pid, signal.SIGKILL)
+        self.procs[rank].wait()
+
+    def kill_all(self) -> None:
+        for rank in range(len(self.procs)):
+            self.kill(rank)
+
+    def wait(self, timeout: float) -> list[int]:
+        """Wait for every rank to exit; kill the job and raise if it takes longer."""
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            logs = "\n".join(f"--- rank {r} ---\n{self.log(r)[-3000:]}" for r in range(len(self.procs)))
+            raise TimeoutError(f"job did not finish within {timeout:.0f} s; killed it. Logs:\n{logs}")
+
+    def __enter__(self) -> "LocalJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill_all()

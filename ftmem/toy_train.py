@@ -1,0 +1,118 @@
+"""A tiny deterministic data-parallel trainer on the ftmem engine.
+
+Used by ``ftmem demo`` and the crash tests, with real processes, a real gloo process
+group and real SIGKILLs. Each rank trains a small MLP with dropout (so the RNG state
+matters) on synthetic batches that depend only on (iteration, rank), averages the
+gradients over the ranks, and saves model, optimizer, scheduler and RNG state to
+ftmem after every step. The copy overlaps the next forward/backward; only the next
+optimizer step waits for it.
+
+Run one rank per process with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set::
+
+    python -m ftmem.toy_train --iters 12 --out DIR [--stop-after N] [--ranks-per-node R]
+
+Writes ``DIR/rank<r>.losses.jsonl`` (one {"it", "loss"} per step) and, at the end,
+``DIR/rank<r>.final.pt``. ``--stop-after N`` makes the rank wait, after version N is
+committed, until it is killed (a crash test's "between saves").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .engine import SnapshotEngine
+
+IN, HIDDEN, OUT = 32, 64, 8
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(1234)  # same initial weights on every rank, as DDP would broadcast
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(HIDDEN, OUT)
+    )
+
+
+def batch(iteration: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(iteration * 1000 + rank)
+    return torch.randn(16, IN, generator=g), torch.randn(16, OUT, generator=g)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ftmem.toy_train")
+    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stop-after", type=int, default=None)
+    parser.add_argument("--ranks-per-node", type=int, default=None)
+    parser.add_argument("--shm-dir", default="/dev/shm")
+    args = parser.parse_args(argv)
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = SnapshotEngine({"ranks_per_node": args.ranks_per_node, "shm_dir": args.shm_dir})
+
+    torch.manual_seed(99 + rank)  # per-rank dropout masks
+    model = build_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=3, gamma=0.7)
+
+    def state(iteration: int) -> dict:
+        return {"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict(),
+                "rng": rng_state(), "iteration": iteration}
+
+    start = 0
+    restored = engine.restore()
+    if restored is not None:
+        model.load_state_dict(restored.state["model"])
+        optim.load_state_dict(restored.state["optim"])
+        sched.load_state_dict(restored.state["sched"])
+        set_rng_state(restored.state["rng"])
+        start = restored.state["iteration"] + 1
+        print(f"ftmem: restored iteration {restored.state['iteration']} from memory (rank {rank})", flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    losses = open(os.path.join(args.out, f"rank{rank}.losses.jsonl"), "a")
+    handle = None
+    for it in range(start, args.iters):
+        x, y = batch(it, rank)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        if handle is not None:
+            handle.wait_reusable()  # the step below overwrites what the last save copies
+        optim.step()
+        sched.step()
+        optim.zero_grad()
+        losses.write(json.dumps({"it": it, "loss": loss.item()}) + "\n")
+        losses.flush()
+        handle = engine.save(state(it), it)
+        if it == args.stop_after:
+            handle.wait_committed()
+            print(f"rank {rank}: stopped after committing version {it}; waiting to be killed", flush=True)
+            while True:
+                time.sleep(3600)
+    torch.save(model.state_dict(), os.path.join(args.out, f"rank{rank}.final.pt"))
+    engine.close(job_finished=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
