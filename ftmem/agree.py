@@ -8,10 +8,10 @@ import torch.distributed as dist
 from .errors import NoRecoverableVersion
 
 
-def gather_held(held: Iterable[int], group=None) -> list[list[int]]:
-    """Every rank's intact versions, indexed by rank (one entry without a process group)."""
+def gather_held(held: Iterable[int], group) -> list[list[int]]:
+    """Every rank's intact versions, indexed by rank (just ours when ``group`` is None)."""
     mine = sorted(held)
-    if not (dist.is_available() and dist.is_initialized()):
+    if group is None:
         return [mine]
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)

@@ -6,8 +6,7 @@ device-to-host copies on a side stream into the slot, registered as pinned memor
 """
 from __future__ import annotations
 
-import threading
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -18,32 +17,6 @@ def slot_view(slot_bytes: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     """The tensor-shaped window of a slot that holds one entry's bytes."""
     raw = slot_bytes[entry.offset : entry.offset + entry.nbytes]
     return raw.view(entry.dtype).view(entry.shape)
-
-
-class SaveHandle:
-    """A save in flight. ``wait_reusable`` returns once the source tensors may be
-    modified again (their bytes are in shared memory and version is committed)."""
-
-    def __init__(self, version: int):
-        self.version = version
-        self._done = threading.Event()
-        self._error: Optional[BaseException] = None
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait_reusable(self, timeout: Optional[float] = None) -> None:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"ftmem: save of version {self.version} still copying after {timeout} s")
-        if self._error is not None:
-            raise self._error
-
-    # Committing happens before the sources are released (see engine), so both waits are one.
-    wait_committed = wait_reusable
-
-    def _finish(self, error: Optional[BaseException] = None) -> None:
-        self._error = error
-        self._done.set()
 
 
 class CudaPinning:

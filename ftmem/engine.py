@@ -27,8 +27,9 @@ import torch.distributed as dist
 from . import testhooks
 from .agree import choose_version, gather_held
 from .config import FtmemConfig
-from .copier import CudaPinning, SaveHandle, capture_cuda_order, copy_into_slot, read_from_slot
-from .errors import CorruptShard
+from .copier import CudaPinning, capture_cuda_order, copy_into_slot, read_from_slot
+from .errors import CorruptShard, FtmemError
+from .handle import SaveHandle
 from .identity import RankIdentity
 from .layout import SnapshotPlan
 from .serialize import join_state, split_state
@@ -56,8 +57,10 @@ class SnapshotEngine:
     """One rank's in-memory snapshot engine.
 
     ``config`` is an :class:`FtmemConfig`, or the user's ``"ftmem"`` dict. Rank and
-    world size default to torch.distributed's, else RANK / WORLD_SIZE. ``group`` is
-    the process group used to agree on the version to restore (default: world).
+    world size default to torch.distributed's, else RANK / WORLD_SIZE. With more
+    than one rank, torch.distributed must be initialized: construction is then
+    collective (it creates the engine's own gloo group, kept apart from the
+    training groups, for agreeing on versions).
     """
 
     def __init__(
@@ -65,12 +68,18 @@ class SnapshotEngine:
         config: Union[FtmemConfig, Mapping[str, Any], None] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
-        group=None,
     ):
         self.config = config if isinstance(config, FtmemConfig) else FtmemConfig.from_dict(config)
         rank, world_size = _rank_and_world(rank, world_size)
         self.identity = RankIdentity.resolve(self.config, rank, world_size)
-        self.group = group
+        self._gloo = None
+        if world_size > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise FtmemError(
+                    f"ftmem with {world_size} ranks needs torch.distributed initialized before the engine "
+                    f"is created (call dist.init_process_group first)."
+                )
+            self._gloo = dist.new_group(backend="gloo")
         node_ranks = list(range(self.identity.node * self.identity.ranks_per_node,
                                 (self.identity.node + 1) * self.identity.ranks_per_node))
         self._smp = SmpClient(self.identity.node_dir, node_ranks, self.config.ec.parity_fraction)
@@ -115,7 +124,8 @@ class SnapshotEngine:
 
         Until the returned handle's ``wait_reusable()`` returns, the tensors in
         ``state`` must not be modified (call it before the optimizer step). The
-        previous save must be finished; this call waits for it if it is not.
+        previous save must be committed by every rank; this call waits for that,
+        which in a training loop has happened during the forward/backward.
         Versions increase; saving a version <= one already held drops the held ones
         from there on (they belong to a timeline the job has abandoned).
         """
@@ -135,29 +145,37 @@ class SnapshotEngine:
         self._inflight = handle
         return handle
 
-    def _copy_and_commit(self, handle, record, tensors, slot_bytes, cuda_ready) -> None:
+    def _copy_and_commit(self, handle: SaveHandle, record, tensors, slot_bytes, cuda_ready) -> None:
+        version = record.version
         try:
             self.store.drop_slot(record.slot)  # the slot's old version becomes invisible first
             copy_into_slot(slot_bytes, tensors, record.plan, cuda_ready, self._side_streams,
-                           halfway=lambda: testhooks.at("mid_copy", self.rank, record.version))
-            # The marker is written before the sources are released, so that no rank
-            # can run ahead and overwrite its older version while ours is uncommitted.
+                           halfway=lambda: testhooks.at("mid_copy", self.rank, version))
             self.store.write_commit(record)
-            testhooks.at("after_commit", self.rank, record.version)
+            testhooks.at("after_commit", self.rank, version)
+            handle._set_reusable()
+            try:
+                self._smp.request("committed", self.rank, version)
+            except Exception as e:  # the SMP seals it on its next rescan (restart or sync)
+                log.warning("ftmem: rank %d could not notify its SMP of version %d: %s", self.rank, version, e)
+            if self._gloo is not None:
+                # Job-wide commit, off the training thread. The next save waits for it
+                # before overwriting the older slot: a rank one save ahead of a peer
+                # that crashed mid-copy still holds the version that peer has.
+                lowest = torch.tensor([version], dtype=torch.int64)
+                dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self._gloo)
+                if int(lowest) != version:
+                    raise FtmemError(f"ranks saved different versions at once (this rank {version}, "
+                                     f"another {int(lowest)}): every rank must save the same version.")
+            handle._set_committed()
         except BaseException as e:
-            handle._finish(e)
-            return
-        handle._finish()
-        try:
-            self._smp.request("committed", self.rank, record.version)
-        except Exception as e:  # the SMP seals it on its next rescan (restart or sync)
-            log.warning("ftmem: rank %d could not notify its SMP of version %d: %s", self.rank, record.version, e)
+            handle._fail(e)
 
     def wait(self) -> None:
-        """Wait for the save in flight, if any (re-raises its error)."""
+        """Wait until the save in flight is committed by every rank (re-raises its error)."""
         if self._inflight is not None:
             handle, self._inflight = self._inflight, None
-            handle.wait_reusable()
+            handle.wait_committed()
 
     def wait_sealed(self) -> None:
         """Wait until the node's SMP has checksummed every committed version."""
@@ -171,7 +189,7 @@ class SnapshotEngine:
 
     # -- restore --------------------------------------------------------------
     def restore(self, version: Optional[int] = None, device: Union[str, torch.device] = "cpu") -> Optional[Restored]:
-        """Restore the newest version every rank holds intact (collective over ``group``).
+        """Restore the newest version every rank holds intact (collective over all ranks).
 
         Each rank verifies its held versions against their checksums; a mismatch is
         logged and the version treated as lost on that rank, never returned. Returns
@@ -186,7 +204,7 @@ class SnapshotEngine:
             except CorruptShard as e:
                 log.warning("ftmem: %s Treating it as lost.", e)
                 self.store.drop(v)
-        everyone = gather_held(intact, self.group)
+        everyone = gather_held(intact, self._gloo)
         chosen = choose_version(everyone, version)
         if chosen is None:
             log.info("ftmem: rank %d: no version held by every rank (held per rank: %s)", self.rank, everyone)

@@ -24,7 +24,10 @@ def resolve_job_id(config_job_id: Optional[str], world_size: int) -> str:
     """The job identity: FTMEM_JOB_ID, else the config's job_id, else
     TORCHELASTIC_RUN_ID, else a stable value from MASTER_ADDR, MASTER_PORT and the
     world size. A restarted job with the same identity finds its snapshots."""
-    job = os.environ.get("FTMEM_JOB_ID") or config_job_id or os.environ.get("TORCHELASTIC_RUN_ID")
+    elastic_run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic_run == "none":  # torchrun's placeholder with static rendezvous: not an identity
+        elastic_run = None
+    job = os.environ.get("FTMEM_JOB_ID") or config_job_id or elastic_run
     if not job:
         seed = f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '')}:{world_size}"
         job = "job-" + hashlib.sha1(seed.encode()).hexdigest()[:12]

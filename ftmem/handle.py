@@ -1,0 +1,52 @@
+"""The handle of a save in flight, with its two completion points."""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+
+class SaveHandle:
+    """A save of ``version`` in flight.
+
+    * ``wait_reusable()``: this rank's bytes are in shared memory and committed; the
+      source tensors may be modified again (call it before the optimizer step).
+    * ``wait_committed()``: every rank of the job has committed the version. Until
+      then no rank overwrites its older version, so that a crash at any moment
+      leaves one version that all ranks hold.
+    """
+
+    def __init__(self, version: int):
+        self.version = version
+        self._reusable = threading.Event()
+        self._committed = threading.Event()
+        self._error: Optional[BaseException] = None
+
+    def reusable(self) -> bool:
+        return self._reusable.is_set()
+
+    def committed(self) -> bool:
+        return self._committed.is_set()
+
+    def wait_reusable(self, timeout: Optional[float] = None) -> None:
+        self._wait(self._reusable, timeout, "copying")
+
+    def wait_committed(self, timeout: Optional[float] = None) -> None:
+        self._wait(self._committed, timeout, "waiting for the other ranks to commit it")
+
+    def _wait(self, event: threading.Event, timeout: Optional[float], doing: str) -> None:
+        if not event.wait(timeout):
+            raise TimeoutError(f"ftmem: save of version {self.version} still {doing} after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    # -- set by the engine's copy thread ---------------------------------------
+    def _set_reusable(self) -> None:
+        self._reusable.set()
+
+    def _set_committed(self) -> None:
+        self._committed.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._reusable.set()
+        self._committed.set()
