@@ -228,5 +228,5 @@ class SnapshotEngine:
             self._copier.shutdown(wait=True)
             self._unmap_slots()
             if job_finished:
-                self._smp.request("finished", self.rank)
+                self._smp.finish(self.rank)
             self._smp.close()

@@ -132,6 +132,17 @@ class SmpClient:
             raise getattr(errors, reply[1], errors.SmpError)(reply[2])
         return reply
 
+    def finish(self, rank: int) -> None:
+        """Tell the SMP this rank's job ended cleanly. The last rank of the node waits
+        until the SMP has freed the node's memory and exited."""
+        pid = running_smp(self.node_dir)
+        _, last = self.request("finished", rank)
+        deadline = time.monotonic() + SMP_START_TIMEOUT_S
+        while last and pid is not None and pid_alive(pid) and time.monotonic() < deadline:
+            for p in _spawned:
+                p.poll()  # reap it if this process started it
+            time.sleep(0.01)
+
     def _close_conn(self) -> None:
         if self._conn is not None:
             try:

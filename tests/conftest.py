@@ -1,0 +1,54 @@
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from ftmem import jobs
+from ftmem.procs import cmdline, pid_alive
+
+TEST_SHM_PREFIX = "/dev/shm/ftmem-test-"
+
+
+def _leftover_smps() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and pid_alive(int(entry)):
+            args = cmdline(int(entry))
+            if any("ftmem.smp" in a for a in args) and any(TEST_SHM_PREFIX in a for a in args):
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks_after_suite():
+    """The whole suite must leave no SMP process and no shared memory behind."""
+    yield
+    smps, dirs = _leftover_smps(), glob.glob(TEST_SHM_PREFIX + "*")
+    for pid in smps:
+        os.kill(pid, 9)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    assert not smps and not dirs, f"the suite leaked SMPs {smps} and shared memory {dirs}"
+
+
+@pytest.fixture
+def shm_dir():
+    """A private shared-memory directory for one test; whatever the test left is freed."""
+    path = TEST_SHM_PREFIX + uuid.uuid4().hex[:8]
+    os.makedirs(path)
+    yield path
+    for job in jobs.list_jobs(path):
+        jobs.clean(path, job)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftmem.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def job_id() -> str:
+    return "t-" + uuid.uuid4().hex[:8]

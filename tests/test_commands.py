@@ -1,0 +1,23 @@
+"""The shell commands a newcomer runs: the demo and the save benchmark."""
+import re
+
+from conftest import run_cli
+
+
+def test_demo_restores_bitwise_and_frees_memory(shm_dir):
+    out = run_cli("demo", "--shm-dir", shm_dir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ftmem: restored iteration 7 from memory" in out.stdout
+    assert out.stdout.count("final weights bitwise equal: True") == 2
+    assert out.stdout.rstrip().endswith("SUCCESS")
+
+
+def test_bench_save_ends_with_a_result_line(shm_dir):
+    out = run_cli("bench", "save", "--mb", "24", "--repeat", "2", "--shm-dir", shm_dir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    figures = dict(kv.split("=") for kv in re.match(r"^RESULT (.*)$", last).group(1).split())
+    assert set(figures) == {"save_s", "reusable_s", "torch_save_s", "memcpy_s", "vs_torch_save_x", "vs_memcpy_x"}
+    values = {k: float(v) for k, v in figures.items()}
+    assert all(v > 0 for v in values.values())
+    assert abs(values["vs_memcpy_x"] - values["reusable_s"] / values["memcpy_s"]) < 1e-3 * values["vs_memcpy_x"]

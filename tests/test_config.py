@@ -1,0 +1,69 @@
+import pytest
+
+from ftmem.config import FtmemConfig
+from ftmem.errors import ConfigError
+from ftmem.identity import RankIdentity, resolve_job_id
+
+
+def test_defaults_match_the_design():
+    cfg = FtmemConfig.from_dict(None)
+    assert (cfg.ec.k, cfg.ec.m, cfg.shm_dir, cfg.dp_shard) == (2, 1, "/dev/shm", "auto")
+
+
+def test_full_section_parses():
+    cfg = FtmemConfig.from_dict({"ec": {"k": 4, "m": 2}, "ranks_per_node": 2, "shm_dir": "/dev/shm",
+                                 "dp_shard": "on", "persist": {"dir": "/tmp/x", "interval": 100}})
+    assert cfg.ec.parity_fraction == 0.5 and cfg.persist.interval == 100 and cfg.ranks_per_node == 2
+
+
+@pytest.mark.parametrize("section, named, hint", [
+    ({"ranks_per_nod": 1}, "'ranks_per_nod'", "'ranks_per_node'"),
+    ({"ec": {"k": 2, "mm": 1}}, "'mm'", "'m'"),
+    ({"persist": {"intervall": 3}}, "'intervall'", "'interval'"),
+])
+def test_misspelt_key_is_named_with_a_suggestion(section, named, hint):
+    with pytest.raises(ConfigError) as err:
+        FtmemConfig.from_dict(section)
+    assert named in str(err.value) and f"Did you mean {hint}" in str(err.value)
+
+
+@pytest.mark.parametrize("section, fragment", [
+    ({"dp_shard": "maybe"}, "dp_shard"),
+    ({"ec": {"k": 0, "m": 1}}, "ec.k"),
+    ({"ec": {"k": 2, "m": -1}}, "ec.m"),
+    ({"ranks_per_node": 0}, "ranks_per_node"),
+    ({"shm_dir": "/no/such/dir"}, "is not a directory"),
+])
+def test_bad_values_say_what_is_wrong(section, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        FtmemConfig.from_dict(section)
+
+
+def test_job_identity_precedence(monkeypatch):
+    for var in ("FTMEM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    derived = resolve_job_id(None, 8)
+    assert derived == resolve_job_id(None, 8) != resolve_job_id(None, 16)  # stable, world-size dependent
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's placeholder is no identity
+    assert resolve_job_id(None, 8) == derived
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic7")
+    assert resolve_job_id(None, 8) == "elastic7"
+    assert resolve_job_id("from-config", 8) == "from-config"
+    monkeypatch.setenv("FTMEM_JOB_ID", "from-env")
+    assert resolve_job_id("from-config", 8) == "from-env"
+    monkeypatch.setenv("FTMEM_JOB_ID", "bad/name")
+    with pytest.raises(ConfigError, match="not usable as a directory name"):
+        resolve_job_id(None, 8)
+
+
+def test_virtual_nodes(monkeypatch):
+    monkeypatch.setenv("FTMEM_JOB_ID", "j")
+    ident = RankIdentity.resolve(FtmemConfig.from_dict({"ranks_per_node": 2}), rank=5, world_size=6)
+    assert (ident.node, ident.local_rank, ident.num_nodes) == (2, 1, 3)
+    assert ident.node_dir == "/dev/shm/ftmem/j/node2"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # the launcher's default
+    assert RankIdentity.resolve(FtmemConfig.from_dict({}), rank=4, world_size=6).node == 1
+    with pytest.raises(ConfigError, match="not a multiple of ranks_per_node"):
+        RankIdentity.resolve(FtmemConfig.from_dict({"ranks_per_node": 4}), rank=0, world_size=6)

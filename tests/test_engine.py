@@ -1,0 +1,302 @@
+"""Single-rank engine behaviour against a real SMP process and real shared memory."""
+import collections
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+import torch
+
+from conftest import job_id, run_cli
+from ftmem import CorruptShard, NoRecoverableVersion, ShmBudgetError, SnapshotEngine
+from ftmem.procs import pid_alive
+from ftmem.serialize import UnsupportedTensor
+from ftmem.smp_client import running_smp
+
+
+def make_engine(shm_dir, job=None, **cfg):
+    return SnapshotEngine({"shm_dir": shm_dir, "job_id": job or job_id(), "ranks_per_node": 1, **cfg},
+                          rank=0, world_size=1)
+
+
+@dataclasses.dataclass
+class Extra:
+    name: str
+    weights: torch.Tensor
+
+
+def rich_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 32, generator=g)
+    return {
+        "fp32": w,
+        "same_object_again": w,
+        "transposed": torch.randn(16, 8, generator=g).t(),  # non-contiguous source
+        "bf16": torch.randn(33, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(7, 3, generator=g).half(),
+        "int64": torch.randint(-2**40, 2**40, (5,), generator=g),
+        "bool": torch.rand(9, generator=g) > 0.5,
+        "uint8": torch.randint(0, 255, (11,), dtype=torch.uint8, generator=g),
+        "complex": torch.randn(4, dtype=torch.complex64, generator=g),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "param": torch.nn.Parameter(torch.randn(3, generator=g)),
+        "frozen": torch.nn.Parameter(torch.randn(2, generator=g), requires_grad=False),
+        "ordered": collections.OrderedDict(b=1, a=[torch.arange(6).view(2, 3), "text", (None, 2.5)]),
+        "object": Extra("x", torch.ones(2)),
+        "iteration": seed,
+    }
+
+
+def assert_same_state(got, want):
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape
+        assert got.requires_grad == want.requires_grad
+        assert torch.equal(got.detach().view(-1).view(torch.uint8), want.detach().contiguous().view(-1).view(torch.uint8))
+    elif isinstance(want, dict):
+        assert list(got) == list(want)
+        for k in want:
+            assert_same_state(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert_same_state(a, b)
+    elif dataclasses.is_dataclass(want):
+        assert_same_state(dataclasses.asdict(got), dataclasses.asdict(want))
+    else:
+        assert got == want
+
+
+def test_restore_is_bitwise_with_structure_dtypes_and_parameters_kept(shm_dir):
+    engine = make_engine(shm_dir)
+    state = rich_state(1)
+    engine.save(state, 1).wait_committed()
+    restored = engine.restore()
+    assert restored.version == 1
+    assert_same_state(restored.state, state)
+    assert restored.state["same_object_again"] is restored.state["fp32"]
+    assert not any(t.data_ptr() == s.data_ptr() for t, s in [(restored.state["fp32"], state["fp32"])])
+    engine.close(job_finished=True)
+
+
+def test_double_buffering_keeps_two_versions_and_reuses_the_buffers(shm_dir):
+    engine = make_engine(shm_dir)
+    state = rich_state(0)
+    engine.save(state, 1).wait_committed()
+    engine.save(state, 2).wait_committed()
+    slots = [engine.store.slot_path(s) for s in (0, 1)]
+    first = [(os.stat(p).st_ino, os.stat(p).st_size) for p in slots]
+    mapped = [engine._slots[s][0] for s in (0, 1)]
+    for version in range(3, 7):
+        state["fp32"].add_(1)
+        engine.save(state, version).wait_committed()
+    assert engine.versions() == [5, 6]
+    assert [(os.stat(p).st_ino, os.stat(p).st_size) for p in slots] == first  # no new allocation
+    assert [engine._slots[s][0] for s in (0, 1)] == mapped  # the same mappings, reused
+    assert torch.equal(engine.restore().state["fp32"], state["fp32"])
+    engine.close(job_finished=True)
+
+
+def test_source_may_change_once_reusable_without_touching_the_snapshot(shm_dir):
+    engine = make_engine(shm_dir)
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    expected = state["w"].clone()
+    handle = engine.save(state, 1)
+    handle.wait_reusable()
+    state["w"].mul_(-1)  # what the optimizer step does next
+    handle.wait_committed()
+    assert torch.equal(engine.restore().state["w"], expected)
+    engine.close(job_finished=True)
+
+
+def test_a_restarted_process_finds_its_versions(shm_dir):
+    job = job_id()
+    writer = subprocess.run(
+        ["python", "-c", f"""
+import torch
+from ftmem import SnapshotEngine
+e = SnapshotEngine({{"shm_dir": {shm_dir!r}, "job_id": {job!r}, "ranks_per_node": 1}}, rank=0, world_size=1)
+for v in (10, 11):
+    e.save({{"w": torch.full((100,), float(v))}}, v).wait_committed()
+import os, signal; os.kill(os.getpid(), signal.SIGKILL)
+"""], timeout=120)
+    assert writer.returncode == -signal.SIGKILL
+    engine = make_engine(shm_dir, job)
+    restored = engine.restore()
+    assert restored.version == 11 and torch.equal(restored.state["w"], torch.full((100,), 11.0))
+    engine.close(job_finished=True)
+
+
+def test_nothing_held_restores_none(shm_dir):
+    engine = make_engine(shm_dir)
+    assert engine.restore() is None
+    engine.close(job_finished=True)
+
+
+def test_saving_an_older_version_drops_the_abandoned_newer_ones(shm_dir):
+    engine = make_engine(shm_dir)
+    for v in (5, 6):
+        engine.save({"v": torch.tensor(v)}, v).wait_committed()
+    engine.save({"v": torch.tensor(3)}, 3).wait_committed()  # e.g. resumed from an older disk checkpoint
+    assert engine.versions() == [3]
+    engine.close(job_finished=True)
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_a_flipped_byte_is_detected_and_never_returned(shm_dir, caplog):
+    engine = make_engine(shm_dir)
+    engine.save({"w": torch.zeros(4096)}, 1).wait_committed()
+    engine.save({"w": torch.ones(4096)}, 2).wait_committed()
+    engine.wait_sealed()
+    slot_of_2 = engine.store.committed()[2]
+    flip_byte(engine.store.slot_path(slot_of_2), 1000)
+    with caplog.at_level(logging.WARNING, logger="ftmem"):
+        restored = engine.restore()
+    assert restored.version == 1 and torch.equal(restored.state["w"], torch.zeros(4096))
+    assert "version 2" in caplog.text and "does not match its checksum" in caplog.text
+    assert engine.versions() == [1]  # the corrupted version is dropped as lost
+    engine.close(job_finished=True)
+
+
+def test_a_corrupted_commit_marker_is_detected(shm_dir):
+    engine = make_engine(shm_dir)
+    for v in (1, 2):
+        engine.save({"w": torch.full((10,), float(v))}, v).wait_committed()
+    engine.wait_sealed()
+    flip_byte(engine.store.commit_path(2, engine.store.committed()[2]), 20)
+    with pytest.raises(NoRecoverableVersion, match="version 2 is not held intact by rank"):
+        engine.restore(version=2)
+    assert engine.restore().version == 1
+    engine.close(job_finished=True)
+
+
+def test_verify_raises_on_a_mismatch(shm_dir):
+    engine = make_engine(shm_dir)
+    engine.save({"w": torch.zeros(100)}, 7).wait_committed()
+    engine.wait_sealed()
+    flip_byte(engine.store.slot_path(engine.store.committed()[7]), 3)
+    with pytest.raises(CorruptShard, match="does not match its checksum"):
+        engine.store.verify(7)
+    engine.close(job_finished=True)
+
+
+@pytest.fixture
+def small_tmpfs():
+    """A real 8 MiB tmpfs, like a container's small /dev/shm."""
+    path = tempfile.mkdtemp(prefix="ftmem-small-shm-")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", path], check=True)
+    try:
+        yield path
+    finally:
+        from ftmem import jobs
+        for job in jobs.list_jobs(path):
+            jobs.clean(path, job)
+        subprocess.run(["umount", path], check=True)
+        os.rmdir(path)
+
+
+def test_too_small_shared_memory_fails_at_the_first_save_with_the_numbers(small_tmpfs):
+    engine = make_engine(small_tmpfs)
+    state = {"w": torch.zeros(4 << 20)}  # 16 MiB; two versions plus parity need 48 MiB
+    with pytest.raises(ShmBudgetError) as err:
+        engine.save(state, 1)
+    message = str(err.value)
+    assert "needs 48.0 MiB" in message and "8.0 MiB free" in message and "shm_dir" in message
+    assert engine.versions() == [] and not any(".slot" in f for f in os.listdir(engine.identity.node_dir))
+    small = {"w": torch.zeros(1 << 18)}  # 1 MiB fits: the engine is still usable
+    engine.save(small, 1).wait_committed()
+    assert engine.restore().version == 1
+    engine.close(job_finished=True)
+
+
+def test_a_killed_smp_is_restarted_transparently_and_loses_no_version(shm_dir):
+    engine = make_engine(shm_dir)
+    node_dir = engine.identity.node_dir
+    engine.save({"w": torch.full((1000,), 1.0)}, 1).wait_committed()
+    first = running_smp(node_dir)
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while pid_alive(first) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.save({"w": torch.full((1000,), 2.0)}, 2).wait_committed()
+    second = running_smp(node_dir)
+    assert second is not None and second != first
+    assert engine.versions() == [1, 2]
+    engine.wait_sealed()  # the new SMP sealed what the old one never saw
+    assert all(engine.store.read_seal(v) for v in (1, 2))
+    assert engine.restore(version=1).state["w"][0] == 1.0
+    engine.close(job_finished=True)
+
+
+def test_close_after_a_finished_job_frees_memory_and_stops_the_smp(shm_dir):
+    engine = make_engine(shm_dir)
+    engine.save({"w": torch.zeros(10)}, 1).wait_committed()
+    node_dir, pid = engine.identity.node_dir, running_smp(engine.identity.node_dir)
+    engine.close(job_finished=True)
+    deadline = time.monotonic() + 10
+    while (pid_alive(pid) or os.path.exists(node_dir)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not pid_alive(pid) and not os.path.exists(node_dir)
+
+
+def test_close_without_finishing_keeps_versions_for_a_restart(shm_dir):
+    job = job_id()
+    engine = make_engine(shm_dir, job)
+    engine.save({"w": torch.zeros(10)}, 4).wait_committed()
+    engine.close()
+    again = make_engine(shm_dir, job)
+    assert again.restore().version == 4
+    again.close(job_finished=True)
+
+
+def test_status_json_and_clean_from_the_shell(shm_dir):
+    job = job_id()
+    engine = make_engine(shm_dir, job)
+    for v in (1, 2):
+        engine.save({"w": torch.zeros(10)}, v).wait_committed()
+    engine.close()
+    out = run_cli("status", "--json", "--shm-dir", shm_dir)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    (node,) = report["jobs"][0]["nodes"]
+    assert report["jobs"][0]["job"] == job
+    assert node["node"] == 0 and node["versions"] == [1, 2] and node["protected"] is None
+    assert pid_alive(node["smp_pid"]) and os.path.isdir(node["path"])
+    human = run_cli("status", "--shm-dir", shm_dir)
+    assert f"job {job}" in human.stdout and "versions [1, 2]" in human.stdout
+
+    out = run_cli("clean", "--job", job, "--shm-dir", shm_dir)
+    assert out.returncode == 0, out.stderr
+    assert not pid_alive(node["smp_pid"]) and not os.path.exists(node["path"])
+    assert json.loads(run_cli("status", "--json", "--shm-dir", shm_dir).stdout) == {"jobs": []}
+
+
+def test_clean_without_a_job_says_how_to_name_one(shm_dir):
+    env_job = os.environ.pop("FTMEM_JOB_ID", None)
+    try:
+        out = run_cli("clean", "--shm-dir", shm_dir)
+    finally:
+        if env_job is not None:
+            os.environ["FTMEM_JOB_ID"] = env_job
+    assert out.returncode == 2 and "--job J" in out.stderr
+
+
+def test_unsupported_tensors_are_refused_before_anything_is_written(shm_dir):
+    engine = make_engine(shm_dir)
+    with pytest.raises(UnsupportedTensor, match="dense strided"):
+        engine.save({"s": torch.eye(3).to_sparse()}, 1)
+    assert engine.versions() == []
+    engine.close(job_finished=True)
