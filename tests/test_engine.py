@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -118,7 +119,7 @@ def test_source_may_change_once_reusable_without_touching_the_snapshot(shm_dir):
 def test_a_restarted_process_finds_its_versions(shm_dir):
     job = job_id()
     writer = subprocess.run(
-        ["python", "-c", f"""
+        [sys.executable, "-c", f"""
 import torch
 from ftmem import SnapshotEngine
 e = SnapshotEngine({{"shm_dir": {shm_dir!r}, "job_id": {job!r}, "ranks_per_node": 1}}, rank=0, world_size=1)
@@ -204,8 +205,12 @@ def small_tmpfs():
         from ftmem import jobs
         for job in jobs.list_jobs(path):
             jobs.clean(path, job)
-        subprocess.run(["umount", path], check=True)
-        os.rmdir(path)
+        # An SMP that just exited can keep the mount busy for a moment: retry, bounded.
+        for _ in range(50):
+            if subprocess.run(["umount", path], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        os.rmdir(path)  # fails if the mount is still there
 
 
 def test_too_small_shared_memory_fails_at_the_first_save_with_the_numbers(small_tmpfs):
