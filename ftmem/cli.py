@@ -1,4 +1,4 @@
-"""The ``ftmem`` command: status, clean, bench, demo."""
+"""The ``ftmem`` command: status, clean, bench, demo, survival."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import os
 import sys
 
 from . import jobs
+from .errors import FtmemError
 
 
 def _cmd_status(args) -> int:
@@ -49,6 +50,36 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_survival(args) -> int:
+    from . import survival
+
+    n, k, m = args.nodes, args.k, args.m
+    if args.failures is not None:
+        ec = survival.ec_survival(n, k, m, args.failures)
+        rep = survival.replication_survival(n, m, args.failures)
+        mc_ec, mc_rep = survival.monte_carlo(n, k, m, args.failures, args.trials)
+        if args.json:
+            print(json.dumps({"nodes": n, "k": k, "m": m, "failures": args.failures, "ec": float(ec),
+                              "replication": float(rep)}))
+            return 0
+        rows = [(args.failures, ec, rep, mc_ec, mc_rep)]
+    else:
+        rows = []
+        for f in range(min(n, 2 * (m + 1) + 2) + 1):
+            rows.append((f, survival.ec_survival(n, k, m, f), survival.replication_survival(n, m, f),
+                         *survival.monte_carlo(n, k, m, f, args.trials)))
+    print(f"{n} nodes; erasure coding k={k}, m={m} (memory overhead {survival.ec_overhead(n, k, m):.3f}x of the data) "
+          f"against {m + 1} replicas in Gemini's group placement (overhead {m:.3f}x)")
+    print(f"{'failures':>8}  {'P(survive) EC':>14}  {'Monte Carlo':>11}  {'P(survive) repl.':>16}  {'Monte Carlo':>11}")
+    for f, ec, rep, mc_ec, mc_rep in rows:
+        print(f"{f:>8}  {float(ec):>14.9f}  {mc_ec:>11.6f}  {float(rep):>16.9f}  {mc_rep:>11.6f}")
+    if args.failures is None:
+        lost_ec, lost_rep = survival.loss_per_day(n, k, m, args.node_mtbf_hours, args.window_minutes)
+        print(f"node MTBF {args.node_mtbf_hours:g} h, failures within {args.window_minutes:g} min counted as "
+              f"simultaneous: P(in-memory version lost per day) EC {lost_ec:.3g}, replication {lost_rep:.3g}")
+    return 0
+
+
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -76,9 +107,25 @@ def main(argv=None) -> int:
     p.add_argument("--mb", type=int, default=500, help="size of the state in MiB (default 500)")
     p.add_argument("--repeat", type=int, default=5)
     add("demo", "train, SIGKILL a rank, restore from memory, compare with an uninterrupted run", _cmd_demo)
+    p = sub.add_parser("survival", help="probability that a version survives F random node failures, EC vs replication")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--k", type=int, required=True)
+    p.add_argument("--m", type=int, required=True)
+    p.add_argument("--failures", type=int, help="simultaneous node failures (default: a table over F)")
+    p.add_argument("--json", action="store_true", help="one JSON object (needs --failures)")
+    p.add_argument("--trials", type=int, default=100_000, help="Monte Carlo trials for the cross-check")
+    p.add_argument("--node-mtbf-hours", type=float, default=10_000.0, help="mean time between failures of one node")
+    p.add_argument("--window-minutes", type=float, default=10.0, help="time to replace a node and re-protect")
+    p.set_defaults(fn=_cmd_survival)
 
     args = parser.parse_args(argv)
-    return args.fn(args)
+    if getattr(args, "json", False) and args.command == "survival" and args.failures is None:
+        parser.error("survival --json needs --failures F")
+    try:
+        return args.fn(args)
+    except FtmemError as e:
+        print(f"ftmem {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -29,23 +29,46 @@ def _reject_unknown(section: str, given: Mapping[str, Any], known: list[str]) ->
 
 @dataclass(frozen=True)
 class ECConfig:
-    """Erasure coding across nodes: groups of ``k`` data and ``m`` parity nodes."""
+    """Erasure coding across nodes: groups of ``k`` data and ``m`` parity nodes.
 
-    k: int = 2
-    m: int = 1
+    Leave both unset for defaults that fit the node count (see :meth:`resolve`).
+    """
+
+    k: Optional[int] = None
+    m: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if (self.k is None) != (self.m is None):
+            raise ConfigError(
+                f'"ftmem.ec" needs both "k" and "m" (got k={self.k}, m={self.m}), or neither for '
+                f"defaults that fit the node count."
+            )
+        if self.k is None:
+            return
         for name in ("k", "m"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f'"ftmem.ec.{name}" must be a non-negative integer, got {value!r}.')
         if self.k < 1:
             raise ConfigError(f'"ftmem.ec.k" must be at least 1, got {self.k}.')
+        if self.m == 0 and self.k > 1:
+            raise ConfigError(
+                f'"ftmem.ec" k={self.k}, m=0 asks for erasure coding without parity, which protects '
+                f"nothing. Set m >= 1, or k=1, m=0 to keep each snapshot on its own node only."
+            )
 
-    @property
-    def parity_fraction(self) -> float:
-        """Parity bytes held per data byte (m/k)."""
-        return self.m / self.k
+    def resolve(self, num_nodes: int) -> tuple[int, int]:
+        """(k, m) for a job of ``num_nodes`` nodes; the defaults are k=min(2, N-1), m=1
+        (a mirror on 2 nodes, no cross-node protection on 1)."""
+        if self.k is None:
+            return (1, 0) if num_nodes == 1 else (min(2, num_nodes - 1), 1)
+        if self.k + self.m > num_nodes:
+            raise ConfigError(
+                f'"ftmem.ec" k={self.k}, m={self.m} needs groups of {self.k + self.m} nodes, but the job has '
+                f"{num_nodes} node(s) (ranks_per_node sets how ranks form nodes). Use k+m <= {num_nodes}, "
+                f"or leave \"ec\" out for defaults that fit."
+            )
+        return self.k, self.m
 
 
 @dataclass(frozen=True)

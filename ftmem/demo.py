@@ -10,7 +10,7 @@ import tempfile
 import torch
 
 from . import jobs
-from .launch import LocalJob, wait_until
+from .launch import LocalJob
 
 WORLD = 2
 TIMEOUT_S = 180
@@ -42,8 +42,8 @@ def run_demo(iters: int = 12, kill_after: int = 7, shm_dir: str = "/dev/shm") ->
         crashed = os.path.join(work, "crashed")
         with LocalJob("ftmem.toy_train", train + ["--out", crashed, "--stop-after", str(kill_after)],
                       WORLD, job, crashed) as first:
-            wait_until(lambda: all("stopped after" in first.log(r) for r in range(WORLD)), TIMEOUT_S,
-                       f"both ranks to reach step {kill_after}")
+            first.wait_for(lambda: all("stopped after" in first.log(r) for r in range(WORLD)), TIMEOUT_S,
+                           f"both ranks to reach step {kill_after}")
             first.kill(1)
             first.kill(0)
         held = {n["node"]: (n["versions"], n["smp_pid"]) for n in jobs.status(shm_dir, job)["jobs"][0]["nodes"]}

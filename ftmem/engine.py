@@ -32,6 +32,7 @@ from .errors import CorruptShard, FtmemError
 from .handle import SaveHandle
 from .identity import RankIdentity
 from .layout import SnapshotPlan
+from .placement import ec_groups, group_of
 from .serialize import join_state, split_state
 from .slots import NUM_SLOTS, CommitRecord, RankStore
 from .smp_client import SmpClient
@@ -82,7 +83,10 @@ class SnapshotEngine:
             self._gloo = dist.new_group(backend="gloo")
         node_ranks = list(range(self.identity.node * self.identity.ranks_per_node,
                                 (self.identity.node + 1) * self.identity.ranks_per_node))
-        self._smp = SmpClient(self.identity.node_dir, node_ranks, self.config.ec.parity_fraction)
+        k, m = self.config.ec.resolve(self.identity.num_nodes)
+        self.ec_group = group_of(ec_groups(self.identity.num_nodes, k, m), self.identity.node)
+        parity_fraction = self.ec_group.m / self.ec_group.k
+        self._smp = SmpClient(self.identity.node_dir, node_ranks, parity_fraction)
         self._smp.request("hello", rank)
         self.store = RankStore(self.identity.node_dir, rank)
         self._slots: list[Optional[tuple[mmap.mmap, torch.Tensor]]] = [None] * NUM_SLOTS

@@ -57,6 +57,18 @@ class LocalJob:
     def log(self, rank: int) -> str:
         return self.read_log(self.log_dir, rank)
 
+    def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        """Wait for ``predicate``; fail at once, with the logs, if a rank exits meanwhile."""
+        def ready() -> bool:
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            if dead and not predicate():
+                raise RuntimeError(f"rank(s) {dead} exited while waiting for {what}. Logs:\n{self._tails()}")
+            return predicate()
+        wait_until(ready, timeout, what)
+
+    def _tails(self) -> str:
+        return "\n".join(f"--- rank {r} ---\n{self.log(r)[-3000:]}" for r in range(len(self.procs)))
+
     def kill(self, rank: int) -> None:
         """SIGKILL one rank, as a crash would."""
         if self.procs[rank].poll() is None:
@@ -74,8 +86,7 @@ class LocalJob:
             return [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in self.procs]
         except subprocess.TimeoutExpired:
             self.kill_all()
-            logs = "\n".join(f"--- rank {r} ---\n{self.log(r)[-3000:]}" for r in range(len(self.procs)))
-            raise TimeoutError(f"job did not finish within {timeout:.0f} s; killed it. Logs:\n{logs}")
+            raise TimeoutError(f"job did not finish within {timeout:.0f} s; killed it. Logs:\n{self._tails()}")
 
     def __enter__(self) -> "LocalJob":
         return self

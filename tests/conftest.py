@@ -10,7 +10,8 @@ import pytest
 from ftmem import jobs
 from ftmem.procs import cmdline, pid_alive
 
-TEST_SHM_PREFIX = "/dev/shm/ftmem-test-"
+# Per session, so that a suite running beside another (a local run during CI) checks only its own.
+TEST_SHM_PREFIX = f"/dev/shm/ftmem-test-{uuid.uuid4().hex[:6]}-"
 
 
 def _leftover_smps() -> list[int]:
@@ -35,15 +36,24 @@ def no_leaks_after_suite():
     assert not smps and not dirs, f"the suite leaked SMPs {smps} and shared memory {dirs}"
 
 
-@pytest.fixture
-def shm_dir():
-    """A private shared-memory directory for one test; whatever the test left is freed."""
+def new_shm_dir() -> str:
     path = TEST_SHM_PREFIX + uuid.uuid4().hex[:8]
     os.makedirs(path)
-    yield path
+    return path
+
+
+def free_shm_dir(path: str) -> None:
     for job in jobs.list_jobs(path):
         jobs.clean(path, job)
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_dir():
+    """A private shared-memory directory for one test; whatever the test left is freed."""
+    path = new_shm_dir()
+    yield path
+    free_shm_dir(path)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -5,15 +5,16 @@ from ftmem.errors import ConfigError
 from ftmem.identity import RankIdentity, resolve_job_id
 
 
-def test_defaults_match_the_design():
+def test_defaults_fit_the_node_count():
     cfg = FtmemConfig.from_dict(None)
-    assert (cfg.ec.k, cfg.ec.m, cfg.shm_dir, cfg.dp_shard) == (2, 1, "/dev/shm", "auto")
+    assert (cfg.shm_dir, cfg.dp_shard) == ("/dev/shm", "auto")
+    assert [cfg.ec.resolve(n) for n in (1, 2, 3, 8)] == [(1, 0), (1, 1), (2, 1), (2, 1)]
 
 
 def test_full_section_parses():
     cfg = FtmemConfig.from_dict({"ec": {"k": 4, "m": 2}, "ranks_per_node": 2, "shm_dir": "/dev/shm",
                                  "dp_shard": "on", "persist": {"dir": "/tmp/x", "interval": 100}})
-    assert cfg.ec.parity_fraction == 0.5 and cfg.persist.interval == 100 and cfg.ranks_per_node == 2
+    assert cfg.ec.resolve(6) == (4, 2) and cfg.persist.interval == 100 and cfg.ranks_per_node == 2
 
 
 @pytest.mark.parametrize("section, named, hint", [
@@ -31,6 +32,8 @@ def test_misspelt_key_is_named_with_a_suggestion(section, named, hint):
     ({"dp_shard": "maybe"}, "dp_shard"),
     ({"ec": {"k": 0, "m": 1}}, "ec.k"),
     ({"ec": {"k": 2, "m": -1}}, "ec.m"),
+    ({"ec": {"k": 3, "m": 0}}, "protects nothing"),
+    ({"ec": {"k": 3}}, "needs both"),
     ({"ranks_per_node": 0}, "ranks_per_node"),
     ({"shm_dir": "/no/such/dir"}, "is not a directory"),
 ])
@@ -67,3 +70,8 @@ def test_virtual_nodes(monkeypatch):
     assert RankIdentity.resolve(FtmemConfig.from_dict({}), rank=4, world_size=6).node == 1
     with pytest.raises(ConfigError, match="not a multiple of ranks_per_node"):
         RankIdentity.resolve(FtmemConfig.from_dict({"ranks_per_node": 4}), rank=0, world_size=6)
+
+
+def test_an_ec_group_larger_than_the_node_count_is_refused():
+    with pytest.raises(ConfigError, match="needs groups of 4 nodes, but the job has 3 node"):
+        FtmemConfig.from_dict({"ec": {"k": 2, "m": 2}}).ec.resolve(3)

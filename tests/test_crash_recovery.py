@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import job_id
+from conftest import free_shm_dir, job_id, new_shm_dir
 from ftmem import jobs
 from ftmem.demo import read_losses
 from ftmem.launch import LocalJob, free_port, wait_until
@@ -26,17 +26,13 @@ def train_args(shm_dir, out, *extra):
 def reference(tmp_path_factory):
     """An uninterrupted run: per-step losses and final weights of each rank."""
     out = str(tmp_path_factory.mktemp("reference"))
-    shm_dir = "/dev/shm/ftmem-test-ref-" + job_id()
-    os.makedirs(shm_dir)
+    shm_dir = new_shm_dir()
     try:
         codes = LocalJob("ftmem.toy_train", train_args(shm_dir, out), WORLD, job_id(), out).wait(TIMEOUT)
         assert codes == [0, 0], open(os.path.join(out, "rank0.log")).read()
         assert jobs.list_jobs(shm_dir) == []  # a clean finish frees the job's memory
     finally:
-        for j in jobs.list_jobs(shm_dir):
-            jobs.clean(shm_dir, j)
-        os.rmdir(os.path.join(shm_dir, "ftmem")) if os.path.isdir(os.path.join(shm_dir, "ftmem")) else None
-        os.rmdir(shm_dir)
+        free_shm_dir(shm_dir)
     return out
 
 
@@ -63,7 +59,7 @@ def restart_and_check(shm_dir, job, out, reference, expect_version):
 def test_killed_between_saves(shm_dir, tmp_path, reference):
     job, out = job_id(), str(tmp_path)
     with LocalJob("ftmem.toy_train", train_args(shm_dir, out, "--stop-after", "5"), WORLD, job, out) as run:
-        wait_until(lambda: all("stopped after" in run.log(r) for r in range(WORLD)), TIMEOUT, "step 5")
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(WORLD)), TIMEOUT, "step 5")
         run.kill(1)
         run.kill(0)
     assert held(shm_dir, job, 0) == held(shm_dir, job, 1) == [4, 5]
@@ -77,8 +73,8 @@ def test_killed_in_the_middle_of_a_copy_never_resumes_from_a_mix(shm_dir, tmp_pa
     os.makedirs(hooks)
     pause = {1: {"FTMEM_TEST_HOOK": "mid_copy:pause:rank=1:version=6", "FTMEM_TEST_HOOK_DIR": hooks}}
     with LocalJob("ftmem.toy_train", train_args(shm_dir, out), WORLD, job, out, rank_env=pause) as run:
-        wait_until(lambda: os.path.exists(os.path.join(hooks, "paused.rank1.v6")), TIMEOUT, "rank 1 to pause")
-        wait_until(lambda: 6 in held(shm_dir, job, 0), TIMEOUT, "rank 0 to commit version 6")
+        run.wait_for(lambda: os.path.exists(os.path.join(hooks, "paused.rank1.v6")), TIMEOUT, "rank 1 to pause")
+        run.wait_for(lambda: 6 in held(shm_dir, job, 0), TIMEOUT, "rank 0 to commit version 6")
         run.kill(0)
         run.kill(1)
     assert held(shm_dir, job, 0) == [5, 6] and held(shm_dir, job, 1) == [5]

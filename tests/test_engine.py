@@ -215,11 +215,11 @@ def small_tmpfs():
 
 def test_too_small_shared_memory_fails_at_the_first_save_with_the_numbers(small_tmpfs):
     engine = make_engine(small_tmpfs)
-    state = {"w": torch.zeros(4 << 20)}  # 16 MiB; two versions plus parity need 48 MiB
+    state = {"w": torch.zeros(4 << 20)}  # 16 MiB; two versions need 32 MiB (one node: no parity)
     with pytest.raises(ShmBudgetError) as err:
         engine.save(state, 1)
     message = str(err.value)
-    assert "needs 48.0 MiB" in message and "8.0 MiB free" in message and "shm_dir" in message
+    assert "needs 32.0 MiB" in message and "8.0 MiB free" in message and "shm_dir" in message
     assert engine.versions() == [] and not any(".slot" in f for f in os.listdir(engine.identity.node_dir))
     small = {"w": torch.zeros(1 << 18)}  # 1 MiB fits: the engine is still usable
     engine.save(small, 1).wait_committed()
