@@ -86,6 +86,7 @@ class Codec:
             lib.gf_gen_cauchy1_matrix(_ptr(matrix), k + m, k)
         self.matrix = matrix
         self._encode_tables = self._tables(matrix[k:])
+        self._row_tables = [self._tables(matrix[k + q : k + q + 1]) for q in range(m)]
 
     def _tables(self, rows: np.ndarray) -> np.ndarray:
         rows = np.ascontiguousarray(rows)
@@ -110,6 +111,12 @@ class Codec:
         if len(data) != self.k or len(parity) != self.m:
             raise FtmemError(f"encode takes {self.k} data and {self.m} parity pieces")
         self._run(self._encode_tables, self.m, data, parity)
+
+    def encode_row(self, q: int, data: Sequence[np.ndarray], out: np.ndarray) -> None:
+        """Write parity piece ``q`` alone: each parity holder computes only its own."""
+        if len(data) != self.k:
+            raise FtmemError(f"encode takes {self.k} data pieces")
+        self._run(self._row_tables[q], 1, data, [out])
 
     def rebuild(self, available: Mapping[int, np.ndarray], lost: Mapping[int, np.ndarray]) -> None:
         """Rebuild lost data pieces in place.
