@@ -1,5 +1,5 @@
-"""The public engine: snapshot a rank's state into its node's shared memory and
-restore it after a crash.
+"""The public engine: snapshot a rank's state into its node's shared memory, protect
+it with erasure coding across nodes, and restore it after a crash.
 
 Typical loop (the copy overlaps the next forward/backward)::
 
@@ -25,16 +25,16 @@ import torch
 import torch.distributed as dist
 
 from . import testhooks
-from .agree import choose_version, gather_held
 from .config import FtmemConfig
 from .copier import CudaPinning, capture_cuda_order, copy_into_slot, read_from_slot
 from .errors import CorruptShard, FtmemError
 from .handle import SaveHandle
 from .identity import RankIdentity
 from .layout import SnapshotPlan
-from .placement import ec_groups, group_of
+from .placement import ec_groups
+from .protect import ColumnCoder, Topology, make_column_groups, piece_size, plan_recovery, with_slot
 from .serialize import join_state, split_state
-from .slots import NUM_SLOTS, CommitRecord, RankStore
+from .slots import DATA, NUM_SLOTS, PARITY, CommitRecord, RankStore
 from .smp_client import SmpClient
 
 log = logging.getLogger("ftmem")
@@ -44,6 +44,16 @@ log = logging.getLogger("ftmem")
 class Restored:
     version: int
     state: Any
+    rebuilt: bool = False  # this rank's data was rebuilt from its EC group's parity
+
+
+def _gather(obj: Any, group) -> list:
+    """Every rank's ``obj``, indexed by rank (just ours without a group)."""
+    if group is None:
+        return [obj]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
 
 
 def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
@@ -60,8 +70,8 @@ class SnapshotEngine:
     ``config`` is an :class:`FtmemConfig`, or the user's ``"ftmem"`` dict. Rank and
     world size default to torch.distributed's, else RANK / WORLD_SIZE. With more
     than one rank, torch.distributed must be initialized: construction is then
-    collective (it creates the engine's own gloo group, kept apart from the
-    training groups, for agreeing on versions).
+    collective (it creates the engine's own gloo groups, kept apart from the
+    training groups, for agreeing on versions and moving parity).
     """
 
     def __init__(
@@ -73,7 +83,11 @@ class SnapshotEngine:
         self.config = config if isinstance(config, FtmemConfig) else FtmemConfig.from_dict(config)
         rank, world_size = _rank_and_world(rank, world_size)
         self.identity = RankIdentity.resolve(self.config, rank, world_size)
+        k, m = self.config.ec.resolve(self.identity.num_nodes)
+        self.topology = Topology(world_size, self.identity.ranks_per_node,
+                                 tuple(ec_groups(self.identity.num_nodes, k, m)))
         self._gloo = None
+        self._column: Optional[ColumnCoder] = None
         if world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise FtmemError(
@@ -81,15 +95,15 @@ class SnapshotEngine:
                     f"is created (call dist.init_process_group first)."
                 )
             self._gloo = dist.new_group(backend="gloo")
+            if m > 0:
+                self._column = ColumnCoder(self.topology, rank)
+                self._column.pg = make_column_groups(self.topology, rank)
         node_ranks = list(range(self.identity.node * self.identity.ranks_per_node,
                                 (self.identity.node + 1) * self.identity.ranks_per_node))
-        k, m = self.config.ec.resolve(self.identity.num_nodes)
-        self.ec_group = group_of(ec_groups(self.identity.num_nodes, k, m), self.identity.node)
-        parity_fraction = self.ec_group.m / self.ec_group.k
-        self._smp = SmpClient(self.identity.node_dir, node_ranks, parity_fraction)
+        self._smp = SmpClient(self.identity.node_dir, node_ranks)
         self._smp.request("hello", rank)
         self.store = RankStore(self.identity.node_dir, rank)
-        self._slots: list[Optional[tuple[mmap.mmap, torch.Tensor]]] = [None] * NUM_SLOTS
+        self._maps: dict[tuple[str, int], tuple[mmap.mmap, torch.Tensor]] = {}
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftmem-copy")
         self._inflight: Optional[SaveHandle] = None
         self._pinning = CudaPinning() if torch.cuda.is_available() else None
@@ -100,27 +114,32 @@ class SnapshotEngine:
         return self.identity.rank
 
     # -- memory ---------------------------------------------------------------
-    def reserve(self, nbytes: int) -> None:
-        """Have the SMP allocate both slots for ``nbytes`` now (checks the shm budget)."""
-        if self.store.capacity() < nbytes:
-            self._unmap_slots()
-            self._smp.request("alloc", self.rank, nbytes)
+    def _parity_estimate(self, nbytes: int) -> int:
+        """Parity bytes for ``nbytes`` of data, assuming the column's members are alike."""
+        return self._column.parity_nbytes(piece_size([nbytes], self._column.group.k)) if self._column else 0
 
-    def _slot_bytes(self, slot: int) -> torch.Tensor:
-        if self._slots[slot] is None:
-            mm = self.store.map_slot(slot, writable=True)
-            self._slots[slot] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
-        return self._slots[slot][1]
+    def reserve(self, nbytes: int, parity_nbytes: Optional[int] = None) -> None:
+        """Have the SMP allocate the slots for ``nbytes`` of data now (checks the shm budget)."""
+        parity_nbytes = self._parity_estimate(nbytes) if parity_nbytes is None else parity_nbytes
+        grow = [kind for kind, want in ((DATA, nbytes), (PARITY, parity_nbytes)) if self.store.capacity(kind) < want]
+        if grow:
+            self._unmap(grow)
+            self._smp.request("alloc", self.rank, max(nbytes, self.store.capacity(DATA)),
+                              max(parity_nbytes, self.store.capacity(PARITY)))
 
-    def _unmap_slots(self) -> None:
-        for slot, mapped in enumerate(self._slots):
-            if mapped is not None:
-                mm, view = mapped
-                if self._pinning is not None:
-                    self._pinning.release(view)
-                self._slots[slot] = None
-                del view, mapped
-                mm.close()
+    def _slot_bytes(self, slot: int, kind: str = DATA) -> torch.Tensor:
+        if (kind, slot) not in self._maps:
+            mm = self.store.map_slot(slot, writable=True, kind=kind)
+            self._maps[(kind, slot)] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+        return self._maps[(kind, slot)][1]
+
+    def _unmap(self, kinds=(DATA, PARITY)) -> None:
+        for key in [key for key in self._maps if key[0] in kinds]:
+            mm, view = self._maps.pop(key)
+            if self._pinning is not None:
+                self._pinning.release(view)
+            del view
+            mm.close()
 
     # -- save -----------------------------------------------------------------
     def save(self, state: Any, version: int) -> SaveHandle:
@@ -128,10 +147,10 @@ class SnapshotEngine:
 
         Until the returned handle's ``wait_reusable()`` returns, the tensors in
         ``state`` must not be modified (call it before the optimizer step). The
-        previous save must be committed by every rank; this call waits for that,
-        which in a training loop has happened during the forward/backward.
-        Versions increase; saving a version <= one already held drops the held ones
-        from there on (they belong to a timeline the job has abandoned).
+        previous save must be committed (and protected) by every rank; this call
+        waits for that, which in a training loop has happened during the
+        forward/backward. Versions increase; saving a version <= one already held
+        drops the held ones from there on (a timeline the job has abandoned).
         """
         self.wait()
         skeleton, tensors = split_state(state)
@@ -149,10 +168,10 @@ class SnapshotEngine:
         self._inflight = handle
         return handle
 
-    def _copy_and_commit(self, handle: SaveHandle, record, tensors, slot_bytes, cuda_ready) -> None:
+    def _copy_and_commit(self, handle: SaveHandle, record: CommitRecord, tensors, slot_bytes, cuda_ready) -> None:
         version = record.version
         try:
-            self.store.drop_slot(record.slot)  # the slot's old version becomes invisible first
+            self.store.drop_slot(record.slot)  # what the slot held becomes invisible first
             copy_into_slot(slot_bytes, tensors, record.plan, cuda_ready, self._side_streams,
                            halfway=lambda: testhooks.at("mid_copy", self.rank, version))
             self.store.write_commit(record)
@@ -162,18 +181,28 @@ class SnapshotEngine:
                 self._smp.request("committed", self.rank, version)
             except Exception as e:  # the SMP seals it on its next rescan (restart or sync)
                 log.warning("ftmem: rank %d could not notify its SMP of version %d: %s", self.rank, version, e)
+            if self._column is not None:
+                self._protect(record, slot_bytes)
             if self._gloo is not None:
-                # Job-wide commit, off the training thread. The next save waits for it
-                # before overwriting the older slot: a rank one save ahead of a peer
-                # that crashed mid-copy still holds the version that peer has.
+                # Job-wide: every rank committed (and protected) v. The next save waits
+                # for this before overwriting the older slot, so a rank one save ahead
+                # of a peer that crashed mid-copy still holds the version the peer has.
                 lowest = torch.tensor([version], dtype=torch.int64)
                 dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self._gloo)
                 if int(lowest) != version:
                     raise FtmemError(f"ranks saved different versions at once (this rank {version}, "
                                      f"another {int(lowest)}): every rank must save the same version.")
+                if self._column is not None:
+                    self.store.write_protected(version)
             handle._set_committed()
         except BaseException as e:
             handle._fail(e)
+
+    def _protect(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
+        lengths, records, piece = self._column.exchange_info(record)
+        self.reserve(record.plan.nbytes, self._column.parity_nbytes(piece))
+        parity = self._slot_bytes(record.slot, PARITY).numpy()
+        self.store.write_parity(self._column.protect(record, slot_bytes.numpy(), parity, lengths, records, piece))
 
     def wait(self) -> None:
         """Wait until the save in flight is committed by every rank (re-raises its error)."""
@@ -191,32 +220,73 @@ class SnapshotEngine:
         """Versions this rank holds committed in shared memory, oldest first."""
         return sorted(self.store.committed())
 
-    # -- restore --------------------------------------------------------------
-    def restore(self, version: Optional[int] = None, device: Union[str, torch.device] = "cpu") -> Optional[Restored]:
-        """Restore the newest version every rank holds intact (collective over all ranks).
-
-        Each rank verifies its held versions against their checksums; a mismatch is
-        logged and the version treated as lost on that rank, never returned. Returns
-        None if no version is common to all ranks (e.g. a fresh job). Held versions
-        newer than the restored one are dropped.
-        """
-        self.wait_sealed()  # whatever was committed but not sealed yet gets its checksum now
-        intact = {}
+    def _intact(self) -> tuple[dict[int, CommitRecord], dict]:
+        """Held versions whose checksums match: data records, and parity (record, bytes)."""
+        data, parity = {}, {}
         for v in self.versions():
             try:
-                intact[v] = self.store.verify(v)
+                data[v] = self.store.verify(v)
             except CorruptShard as e:
                 log.warning("ftmem: %s Treating it as lost.", e)
                 self.store.drop(v)
-        everyone = gather_held(intact, self._gloo)
-        chosen = choose_version(everyone, version)
-        if chosen is None:
-            log.info("ftmem: rank %d: no version held by every rank (held per rank: %s)", self.rank, everyone)
+        for v, slot in self.store.parity_held().items():
+            try:
+                parity[v] = (self.store.verify_parity(v), self._slot_bytes(slot, PARITY).numpy())
+            except CorruptShard as e:
+                log.warning("ftmem: %s Treating it as lost.", e)
+                self.store.drop_parity(v)
+        return data, parity
+
+    # -- restore --------------------------------------------------------------
+    def restore(self, version: Optional[int] = None, device: Union[str, torch.device] = "cpu") -> Optional[Restored]:
+        """Restore the newest version every rank can recover (collective over all ranks).
+
+        Each rank verifies its held data and parity against their checksums; a
+        mismatch is logged and treated as a lost shard, never returned. A rank that
+        lacks the version (its node was lost, or its copy is corrupt) gets its data
+        rebuilt from its EC group's parity. Returns None if no rank holds any version
+        (a fresh job); raises :class:`~ftmem.protect.NotRecoverableFromMemory`, naming
+        the groups and nodes, if versions are held but none is recoverable for every
+        rank. Held versions newer than the restored one are dropped.
+        """
+        self.wait_sealed()  # whatever was committed but not sealed yet gets its checksum now
+        data, parity = self._intact()
+        held = _gather((sorted(data), sorted(parity)), self._gloo)
+        decision = plan_recovery(self.topology, [set(d) for d, _ in held], [set(p) for _, p in held], version)
+        if decision is None:
+            log.info("ftmem: rank %d: no version held by any rank: a fresh start", self.rank)
             return None
-        record = intact[chosen]
+        chosen, to_rebuild = decision
+        if self._column is not None and any(r in to_rebuild for r in self._column_ranks()):
+            self._rebuild(chosen, held, data, parity)
+            data = {chosen: self.store.verify(chosen)} if self.rank in to_rebuild else data
+        record = data[chosen]
         tensors = read_from_slot(self._slot_bytes(record.slot), record.plan, torch.device(device))
         self.store.drop_from(chosen + 1)
-        return Restored(version=chosen, state=join_state(record.skeleton, tensors))
+        return Restored(version=chosen, state=join_state(record.skeleton, tensors), rebuilt=self.rank in to_rebuild)
+
+    def _column_ranks(self) -> list[int]:
+        t = self.topology
+        return t.column_ranks(t.group_index(self.rank), self.identity.local_rank)
+
+    def _rebuild(self, version: int, held, data: dict, parity: dict) -> None:
+        ranks = self._column_ranks()
+        has_data = {pos for pos, r in enumerate(ranks) if version in held[r][0]}
+        has_parity = {pos for pos, r in enumerate(ranks) if version in held[r][1]}
+        mine = self._slot_bytes(data[version].slot).numpy() if version in data else None
+        rebuilt = self._column.rebuild(has_data, has_parity, mine, parity.get(version))
+        if rebuilt is None:
+            return
+        record, raw = rebuilt
+        self.reserve(record.plan.nbytes)
+        self.store.drop(version)
+        slot = self.store.free_slot()
+        self.store.drop_slot(slot)
+        self._slot_bytes(slot).numpy()[: len(raw)] = raw
+        self.store.write_commit(with_slot(record, slot))
+        self._smp.request("committed", self.rank, version)
+        self._smp.request("sync")
+        log.info("ftmem: rank %d rebuilt version %d (%d bytes) from its EC group's parity", self.rank, version, len(raw))
 
     # -- end --------------------------------------------------------------------
     def close(self, job_finished: bool = False) -> None:
@@ -230,7 +300,7 @@ class SnapshotEngine:
             self.wait()
         finally:
             self._copier.shutdown(wait=True)
-            self._unmap_slots()
+            self._unmap()
             if job_finished:
                 self._smp.finish(self.rank)
             self._smp.close()

@@ -44,17 +44,17 @@ def _node_ranks(path: str) -> list[int]:
 
 def node_status(node: int, path: str) -> dict:
     """One node's entry of ``ftmem status --json`` (DESIGN.md §5)."""
-    ranks = _node_ranks(path)
-    held = [set(RankStore(path, r).committed()) for r in ranks]
-    complete = sorted(set.intersection(*held)) if held else []
+    stores = [RankStore(path, r) for r in _node_ranks(path)]
+    held = [set(s.committed()) for s in stores]
+    protected = [s.read_protected() for s in stores]
     return {
         "node": node,
         "smp_pid": running_smp(path),
         "path": path,
-        "ranks": ranks,
-        "versions": complete,
-        # Protection needs parity across nodes, which this node does not hold yet.
-        "protected": None,
+        "ranks": [s.rank for s in stores],
+        "versions": sorted(set.intersection(*held)) if held else [],
+        # Protected: every EC group's parity for it was complete, and this node still holds it.
+        "protected": None if not protected or None in protected else min(protected),
     }
 
 

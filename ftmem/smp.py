@@ -8,9 +8,9 @@ path, and frees the node's memory when every local rank says the job finished.
 The filesystem is the source of truth: a restarted SMP rescans the node directory
 and seals whatever was committed while no SMP ran, so killing it loses no version.
 
-Started by :func:`ftmem.smp_client.ensure_smp` as ``main(["--node-dir", D, "--ranks", "0,1", ...])``.
+Started by :func:`ftmem.smp_client.ensure_smp` as ``main(["--node-dir", D, "--ranks", "0,1"])``.
 Requests (tuples over a ``multiprocessing.connection`` on an abstract Unix socket):
-``("alloc", rank, nbytes)``, ``("committed", rank, version)``, ``("sync",)``,
+``("alloc", rank, nbytes, parity_nbytes)``, ``("committed", rank, version)``, ``("sync",)``,
 ``("hello", rank)``, ``("finished", rank)``, ``("ping",)``. Replies are ``("ok", ...)`` or ``("err", kind, msg)``.
 """
 from __future__ import annotations
@@ -46,10 +46,9 @@ def read_key(node_dir: str) -> bytes:
 
 
 class SnapshotManager:
-    def __init__(self, node_dir: str, ranks: list[int], parity_fraction: float):
+    def __init__(self, node_dir: str, ranks: list[int]):
         self.node_dir = node_dir
         self.ranks = ranks
-        self.parity_fraction = parity_fraction
         self._seal_queue: "queue.Queue[tuple[int, int] | None]" = queue.Queue()
         self._lock = threading.Lock()
 
@@ -79,9 +78,9 @@ class SnapshotManager:
         if kind == "ping":
             return ("ok", os.getpid())
         if kind == "alloc":
-            _, rank, nbytes = msg
+            _, rank, nbytes, parity_nbytes = msg
             with self._lock:
-                RankStore(self.node_dir, rank).allocate(nbytes, self.parity_fraction)
+                RankStore(self.node_dir, rank).allocate(nbytes, parity_nbytes)
             return ("ok",)
         if kind == "committed":
             self._seal_queue.put((msg[1], msg[2]))
@@ -155,10 +154,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="ftmem.smp", description=__doc__.splitlines()[0])
     parser.add_argument("--node-dir", required=True)
     parser.add_argument("--ranks", required=True, help="comma-separated ranks of this node")
-    parser.add_argument("--parity-fraction", type=float, default=0.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ftmem.smp[%(process)d] %(message)s")
-    os.nice(10)  # its work (checksums, later parity) must yield the cores to training
+    os.nice(10)  # its work (checksums) must yield the cores to training
     ranks = [int(r) for r in args.ranks.split(",")]
-    SnapshotManager(args.node_dir, ranks, args.parity_fraction).serve()
+    SnapshotManager(args.node_dir, ranks).serve()
 

@@ -53,7 +53,7 @@ def _log_tail(node_dir: str, lines: int = 15) -> str:
         return "(no log)"
 
 
-def ensure_smp(node_dir: str, ranks: list[int], parity_fraction: float) -> int:
+def ensure_smp(node_dir: str, ranks: list[int]) -> int:
     """Start the node's SMP unless one is running; return its pid."""
     for p in list(_spawned):
         if p.poll() is not None:
@@ -76,7 +76,7 @@ def ensure_smp(node_dir: str, ranks: list[int], parity_fraction: float) -> int:
         with open(os.path.join(node_dir, LOG_FILE), "ab") as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _SMP_ENTRY, "--node-dir", node_dir,
-                 "--ranks", ",".join(map(str, ranks)), "--parity-fraction", repr(parity_fraction)],
+                 "--ranks", ",".join(map(str, ranks))],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                 start_new_session=True,  # not in the trainers' process group: survives their kill
                 close_fds=True, env=env,
@@ -99,15 +99,14 @@ def ensure_smp(node_dir: str, ranks: list[int], parity_fraction: float) -> int:
 class SmpClient:
     """Thread-safe request/reply channel to the node's SMP."""
 
-    def __init__(self, node_dir: str, ranks: list[int], parity_fraction: float):
+    def __init__(self, node_dir: str, ranks: list[int]):
         self.node_dir = node_dir
         self.ranks = ranks
-        self.parity_fraction = parity_fraction
         self._conn: Optional[Connection] = None
         self._lock = threading.Lock()
 
     def _connect(self) -> Connection:
-        ensure_smp(self.node_dir, self.ranks, self.parity_fraction)
+        ensure_smp(self.node_dir, self.ranks)
         return Client(smp_address(self.node_dir), family="AF_UNIX", authkey=read_key(self.node_dir))
 
     def request(self, *msg) -> tuple:

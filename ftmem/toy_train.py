@@ -9,11 +9,13 @@ optimizer step waits for it.
 
 Run one rank per process with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set::
 
-    python -m ftmem.toy_train --iters 12 --out DIR [--stop-after N] [--ranks-per-node R]
+    python -m ftmem.toy_train --iters 12 --out DIR [--stop-after N] [--ranks-per-node R] [--ec-k K --ec-m M]
 
 Writes ``DIR/rank<r>.losses.jsonl`` (one {"it", "loss"} per step) and, at the end,
 ``DIR/rank<r>.final.pt``. ``--stop-after N`` makes the rank wait, after version N is
-committed, until it is killed (a crash test's "between saves").
+committed and protected, until it is killed (a crash test's "between saves"). If
+versions are held but none is recoverable, it says so and exits with status 3
+(where a real trainer falls back to its disk checkpoint).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 
 import numpy as np
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import SnapshotEngine
+from .protect import NotRecoverableFromMemory
 
 IN, HIDDEN, OUT = 32, 64, 8
 
@@ -61,11 +65,14 @@ def main(argv=None) -> None:
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--ranks-per-node", type=int, default=None)
     parser.add_argument("--shm-dir", default="/dev/shm")
+    parser.add_argument("--ec-k", type=int, default=None)
+    parser.add_argument("--ec-m", type=int, default=None)
     args = parser.parse_args(argv)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = SnapshotEngine({"ranks_per_node": args.ranks_per_node, "shm_dir": args.shm_dir})
+    engine = SnapshotEngine({"ranks_per_node": args.ranks_per_node, "shm_dir": args.shm_dir,
+                             "ec": {"k": args.ec_k, "m": args.ec_m}})
 
     torch.manual_seed(99 + rank)  # per-rank dropout masks
     model = build_model()
@@ -77,14 +84,19 @@ def main(argv=None) -> None:
                 "rng": rng_state(), "iteration": iteration}
 
     start = 0
-    restored = engine.restore()
+    try:
+        restored = engine.restore()
+    except NotRecoverableFromMemory as e:
+        print(f"ftmem: {e}", flush=True)
+        sys.exit(3)
     if restored is not None:
         model.load_state_dict(restored.state["model"])
         optim.load_state_dict(restored.state["optim"])
         sched.load_state_dict(restored.state["sched"])
         set_rng_state(restored.state["rng"])
         start = restored.state["iteration"] + 1
-        print(f"ftmem: restored iteration {restored.state['iteration']} from memory (rank {rank})", flush=True)
+        how = ", rebuilt from parity" if restored.rebuilt else ""
+        print(f"ftmem: restored iteration {restored.state['iteration']} from memory (rank {rank}{how})", flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     losses = open(os.path.join(args.out, f"rank{rank}.losses.jsonl"), "a")

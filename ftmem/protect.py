@@ -1,0 +1,252 @@
+"""Erasure-coded protection of committed versions across nodes, and rebuilding lost
+ranks' data from it.
+
+The unit of coding is an EC *column*: the ranks with the same local rank on the
+nodes of one EC group. Its members sit on different nodes, so losing a node costs a
+column at most one member, and a node's data is protected exactly when each of its
+ranks' data is. Inside a column the stripe layout of :mod:`ftmem.placement` applies:
+member i's data is cut into k pieces of ``piece_size`` bytes; piece p belongs to
+stripe (i - p) mod n, whose m parity pieces live on members s+k..s+n-1 (mod n).
+
+Everything here is collective over the column's own gloo group (kept apart from the
+training groups) and runs on the engine's background thread: gloo and the ISA-L
+kernels release the GIL, so the training thread keeps running.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .checksum import checksum
+from .codec import Codec
+from .errors import NoRecoverableVersion
+from .layout import ALIGN
+from .placement import ECGroup
+from .slots import CommitRecord, ParityRecord
+
+
+class NotRecoverableFromMemory(NoRecoverableVersion):
+    """Versions are held, but none can be rebuilt for every rank: fall back to disk."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where every rank sits: node, EC group, position in the group, column."""
+
+    world_size: int
+    ranks_per_node: int
+    groups: tuple[ECGroup, ...]
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def group_index(self, rank: int) -> int:
+        node = self.node_of(rank)
+        return next(i for i, g in enumerate(self.groups) if node in g.nodes)
+
+    def position(self, rank: int) -> int:
+        return self.groups[self.group_index(rank)].nodes.index(self.node_of(rank))
+
+    def column_ranks(self, group_index: int, local_rank: int) -> list[int]:
+        return [node * self.ranks_per_node + local_rank for node in self.groups[group_index].nodes]
+
+    def columns(self) -> list[tuple[int, int]]:
+        return [(g, local) for g in range(len(self.groups)) for local in range(self.ranks_per_node)]
+
+
+def piece_size(lengths: list[int], k: int) -> int:
+    return max(ALIGN, math.ceil(max(lengths) / k / ALIGN) * ALIGN)
+
+
+def stripe_sources(group: ECGroup, stripe: int, has_data: set[int], has_parity: set[int]) -> Optional[list[tuple[int, int]]]:
+    """k (position, code index) pairs that can rebuild ``stripe``, or None if fewer survive.
+
+    Code indices 0..k-1 are the stripe's data pieces, k..k+m-1 its parity pieces.
+    """
+    available = [(pos, p) for p, pos in enumerate(group.data_members(stripe)) if pos in has_data]
+    available += [(pos, group.k + q) for q, pos in enumerate(group.parity_members(stripe)) if pos in has_parity]
+    return sorted(available, key=lambda a: a[1])[: group.k] if len(available) >= group.k else None
+
+
+def column_problem(group: ECGroup, has_data: set[int], has_parity: set[int]) -> Optional[str]:
+    """Why the members lacking data cannot be rebuilt, or None if they can."""
+    lost = [pos for pos in range(group.n) if pos not in has_data]
+    for pos in lost:
+        for p in range(group.k):
+            if stripe_sources(group, group.stripe_of_piece(pos, p), has_data, has_parity) is None:
+                return (f"EC group of nodes {list(group.nodes)} (k={group.k}, m={group.m}) lacks node(s) "
+                        f"{[group.nodes[i] for i in lost]} and holds intact parity on "
+                        f"{[group.nodes[i] for i in sorted(has_parity)] or 'no node'}")
+    return None
+
+
+def plan_recovery(topology: Topology, data: list[set[int]], parity: list[set[int]],
+                  requested: Optional[int] = None) -> Optional[tuple[int, list[int]]]:
+    """The newest version every rank can restore, held or rebuilt, and the ranks to rebuild.
+
+    ``data[r]`` / ``parity[r]``: versions rank r holds intact. Returns None when no
+    rank holds any version (a fresh job); raises NotRecoverableFromMemory, naming the
+    groups and nodes, when versions exist but none is recoverable everywhere.
+    """
+    candidates = [requested] if requested is not None else sorted(set().union(*data), reverse=True)
+    if not candidates:
+        return None
+    first_problems: list[str] = []
+    for version in candidates:
+        problems, rebuild = [], []
+        for g, local in topology.columns():
+            ranks = topology.column_ranks(g, local)
+            has_data = {pos for pos, r in enumerate(ranks) if version in data[r]}
+            has_parity = {pos for pos, r in enumerate(ranks) if version in parity[r]}
+            problem = column_problem(topology.groups[g], has_data, has_parity)
+            if problem:
+                problems.append(problem)
+            rebuild += [r for pos, r in enumerate(ranks) if pos not in has_data]
+        if not problems:
+            return version, sorted(rebuild)
+        first_problems = first_problems or [f"version {version}: " + "; ".join(sorted(set(problems)))]
+    raise NotRecoverableFromMemory(
+        "no version is recoverable from memory (more losses than parity in a group, or parity missing). "
+        f"Newest held: {first_problems[0]}. Fall back to a disk checkpoint."
+    )
+
+
+class ColumnCoder:
+    """One rank's part in protecting and rebuilding its column's versions."""
+
+    def __init__(self, topology: Topology, rank: int):
+        gi = topology.group_index(rank)
+        self.group = topology.groups[gi]
+        self.position = topology.position(rank)
+        self.codec = Codec(self.group.k, self.group.m)
+        self.pg = None  # set by make_groups: creation is collective over the whole job
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, name: str, nbytes: int) -> torch.Tensor:
+        """Reused staging buffers: no allocation per save once sizes settle."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[name] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
+
+    def parity_nbytes(self, piece: int) -> int:
+        return self.group.m * piece
+
+    @staticmethod
+    def _put_piece(dst: np.ndarray, data: np.ndarray, length: int, index: int, piece: int) -> None:
+        start = index * piece
+        chunk = data[start : min(start + piece, length)] if start < length else data[:0]
+        dst[: len(chunk)] = chunk
+        dst[len(chunk) :] = 0
+
+    # -- protect ------------------------------------------------------------------
+    def exchange_info(self, record: CommitRecord) -> tuple[list[int], list[bytes], int]:
+        infos: list = [None] * self.group.n
+        dist.all_gather_object(infos, (record.plan.nbytes, pickle.dumps(record, protocol=5)), group=self.pg)
+        lengths, records = [i[0] for i in infos], [i[1] for i in infos]
+        return lengths, records, piece_size(lengths, self.group.k)
+
+    def protect(self, record: CommitRecord, data: np.ndarray, parity: np.ndarray, lengths: list[int],
+                records: list[bytes], piece: int) -> ParityRecord:
+        """Send this member's pieces to their stripes' parity holders, receive the pieces
+        of the stripes it holds parity for, and encode them into ``parity`` (m pieces)."""
+        g, pos = self.group, self.position
+        # Every (data piece -> parity holder) move of the column, in one canonical order.
+        # A member may send two pieces to one holder (different stripes), so the
+        # buffers are laid out by peer, then by this order.
+        moves = [(src, dest, stripe, q, p)
+                 for stripe in range(g.n)
+                 for q, dest in enumerate(g.parity_members(stripe))
+                 for p, src in enumerate(g.data_members(stripe))]
+        outgoing = sorted((mv for mv in moves if mv[0] == pos), key=lambda mv: mv[1])
+        incoming = sorted((mv for mv in moves if mv[1] == pos), key=lambda mv: mv[0])
+        send = self._buffer("send", len(outgoing) * piece)
+        send_np = send.numpy()
+        for i, (_, _, _, _, p) in enumerate(outgoing):
+            self._put_piece(send_np[i * piece : (i + 1) * piece], data, lengths[pos], p, piece)
+        recv = self._buffer("recv", len(incoming) * piece)
+        self._all_to_all(recv, send, incoming, outgoing, piece)
+        recv_np = recv.numpy()
+        at = {(stripe, q, p): i * piece for i, (_, _, stripe, q, p) in enumerate(incoming)}
+        sums = []
+        for i, (stripe, q) in enumerate(g.parity_held(pos)):
+            out = parity[i * piece : (i + 1) * piece]
+            self.codec.encode_row(q, [recv_np[at[(stripe, q, p)] : at[(stripe, q, p)] + piece] for p in range(g.k)], out)
+            sums.append(checksum(out))
+        return ParityRecord(version=record.version, slot=record.slot, piece_size=piece, lengths=tuple(lengths),
+                            records=tuple(records), checksums=tuple(sums))
+
+    def _all_to_all(self, recv: torch.Tensor, send: torch.Tensor, incoming: list, outgoing: list, piece: int) -> None:
+        """Moves (source, destination, ...) are laid out by peer in both buffers."""
+        n = self.group.n
+        dist.all_to_all_single(
+            recv, send,
+            output_split_sizes=[piece * sum(1 for mv in incoming if mv[0] == i) for i in range(n)],
+            input_split_sizes=[piece * sum(1 for mv in outgoing if mv[1] == j) for j in range(n)],
+            group=self.pg)
+
+    # -- rebuild ------------------------------------------------------------------
+    def rebuild(self, has_data: set[int], has_parity: set[int], data: Optional[np.ndarray],
+                parity: Optional[tuple[ParityRecord, np.ndarray]]) -> Optional[tuple[CommitRecord, np.ndarray]]:
+        """Collective over the column: survivors send the pieces each lost member needs;
+        a lost member decodes its data and gets its commit record back.
+
+        Returns (record, data bytes) on a lost member, None on the others.
+        """
+        g, pos, n, k = self.group, self.position, self.group.n, self.group.k
+        metas: list = [None] * n
+        mine = (parity[0].piece_size, parity[0].lengths, parity[0].records) if parity else None
+        dist.all_gather_object(metas, mine, group=self.pg)
+        piece, lengths, records = next(m for m in metas if m is not None)
+        lost = [i for i in range(n) if i not in has_data]
+        transfers = []  # (source, destination, stripe, code index), in one canonical order
+        for dest in lost:
+            for p in range(k):
+                stripe = g.stripe_of_piece(dest, p)
+                for src, code in stripe_sources(g, stripe, has_data, has_parity):
+                    transfers.append((src, dest, stripe, code))
+        outgoing = sorted((t for t in transfers if t[0] == pos), key=lambda t: t[1])
+        incoming = sorted((t for t in transfers if t[1] == pos), key=lambda t: t[0])
+        send = self._buffer("send", len(outgoing) * piece)
+        send_np = send.numpy()
+        for i, (_, _, stripe, code) in enumerate(outgoing):
+            dst = send_np[i * piece : (i + 1) * piece]
+            if code < k:  # a data piece of this member
+                self._put_piece(dst, data, lengths[pos], code, piece)
+            else:  # a parity piece this member holds
+                index = g.parity_held(pos).index((stripe, code - k))
+                dst[:] = parity[1][index * piece : (index + 1) * piece]
+        recv = self._buffer("recv", len(incoming) * piece)
+        self._all_to_all(recv, send, incoming, outgoing, piece)
+        if pos not in lost:
+            return None
+        recv_np = recv.numpy()
+        rebuilt = np.zeros(k * piece, dtype=np.uint8)
+        for p in range(k):
+            stripe = g.stripe_of_piece(pos, p)
+            available = {code: recv_np[i * piece : (i + 1) * piece]
+                         for i, (_, _, s, code) in enumerate(incoming) if s == stripe}
+            self.codec.rebuild(available, {p: rebuilt[p * piece : (p + 1) * piece]})
+        return pickle.loads(records[pos]), rebuilt[: lengths[pos]]
+
+
+def make_column_groups(topology: Topology, rank: int) -> Optional[dist.ProcessGroup]:
+    """Create every column's gloo group (collective: all ranks, same order); return ours."""
+    mine = None
+    for g, local in topology.columns():
+        ranks = topology.column_ranks(g, local)
+        pg = dist.new_group(ranks=ranks, backend="gloo")
+        if rank in ranks:
+            mine = pg
+    return mine
+
+
+def with_slot(record: CommitRecord, slot: int) -> CommitRecord:
+    return dataclasses.replace(record, slot=slot)

@@ -1,0 +1,90 @@
+"""Whole virtual nodes lost — all their ranks SIGKILLed, their SMP killed, their
+shared memory deleted — and the job restored from its EC groups' parity, bitwise."""
+import pytest
+
+from ftmem.launch import wait_until
+from ftmem.slots import PARITY, RankStore
+from trainjob import TrainJob, reference_run
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Uninterrupted runs by world size (EC and node layout do not change the training)."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = reference_run(tmp_path_factory.mktemp(f"reference{world}"), world)
+        return cache[world]
+    return get
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def sealed(store, version):
+    return store.read_seal(version) is not None
+
+
+def test_k2_m1_loses_one_node_of_three(shm_dir, tmp_path, references):
+    job = TrainJob(shm_dir, tmp_path, world=3, ec=(2, 1))
+    job.run_until_stopped(after=5)
+    assert [job.nodes()[n]["protected"] for n in range(3)] == [5, 5, 5]
+    job.lose_node(1)
+    job.restart_and_check(references(3), expect_version=5, rebuilt_ranks={1})
+
+
+def test_k2_m2_loses_two_nodes_of_four(shm_dir, tmp_path, references):
+    job = TrainJob(shm_dir, tmp_path, world=4, ec=(2, 2))
+    job.run_until_stopped(after=4)
+    job.lose_node(0)
+    job.lose_node(2)
+    job.restart_and_check(references(4), expect_version=4, rebuilt_ranks={0, 2})
+
+
+def test_two_ranks_per_node_lose_a_node(shm_dir, tmp_path, references):
+    job = TrainJob(shm_dir, tmp_path, world=6, ranks_per_node=2, ec=(2, 1))
+    job.run_until_stopped(after=3)
+    job.lose_node(2)
+    job.restart_and_check(references(6), expect_version=3, rebuilt_ranks={4, 5})
+
+
+def test_more_losses_than_parity_is_not_recoverable_and_says_where(shm_dir, tmp_path):
+    job = TrainJob(shm_dir, tmp_path, world=3, ec=(2, 1))
+    job.run_until_stopped(after=5)
+    job.lose_node(0)
+    job.lose_node(2)
+    codes = job.run()
+    assert codes == [3, 3, 3]
+    log = job.log(1)
+    assert "no version is recoverable from memory" in log
+    assert "EC group of nodes [0, 1, 2] (k=2, m=1) lacks node(s) [0, 2]" in log
+    assert "Fall back to a disk checkpoint" in log
+
+
+def test_a_corrupted_data_shard_is_rebuilt_from_parity(shm_dir, tmp_path, references):
+    job = TrainJob(shm_dir, tmp_path, world=3, ec=(2, 1))
+    job.run_until_stopped(after=5)
+    store = RankStore(job.node_dir(0), 0)
+    # The SMP seals off the critical path: wait for its checksum before corrupting.
+    wait_until(lambda: sealed(store, 5), 60, "the SMP to seal version 5")
+    flip_byte(store.slot_path(store.committed()[5]), 200)
+    job.restart_and_check(references(3), expect_version=5, rebuilt_ranks={0})
+    assert "rank 0 version 5: data in" in job.log(0) and "does not match its checksum" in job.log(0)
+
+
+def test_a_corrupted_parity_shard_is_routed_around(shm_dir, tmp_path, references):
+    """k=2, m=2: node 1 is lost and a parity piece on node 3 is corrupt; the stripes
+    that need rebuilding still have enough intact pieces elsewhere."""
+    job = TrainJob(shm_dir, tmp_path, world=4, ec=(2, 2))
+    job.run_until_stopped(after=4)
+    store = RankStore(job.node_dir(3), 3)
+    flip_byte(store.slot_path(store.parity_held()[4], PARITY), 5)
+    job.lose_node(1)
+    job.restart_and_check(references(4), expect_version=4, rebuilt_ranks={1})
+    assert "parity piece 0" in job.log(3) and "does not match its checksum" in job.log(3)

@@ -1,0 +1,94 @@
+"""Running ftmem.toy_train jobs in tests: reference runs, restarts, bitwise checks,
+losing whole virtual nodes."""
+import os
+import shutil
+
+import torch
+
+from conftest import free_shm_dir, job_id, new_shm_dir
+from ftmem import jobs
+from ftmem.demo import read_losses
+from ftmem.launch import LocalJob
+from ftmem.procs import pid_alive
+
+ITERS, TIMEOUT = 10, 240
+
+
+class TrainJob:
+    """One job identity of the toy trainer: its world, node layout, EC and folders."""
+
+    def __init__(self, shm_dir, out, world, ranks_per_node=1, ec=None):
+        self.shm_dir, self.out, self.world, self.rpn = shm_dir, str(out), world, ranks_per_node
+        self.job = job_id()
+        self.args = ["--iters", str(ITERS), "--ranks-per-node", str(ranks_per_node), "--shm-dir", shm_dir,
+                     "--out", self.out]
+        if ec:
+            self.args += ["--ec-k", str(ec[0]), "--ec-m", str(ec[1])]
+
+    def start(self, *extra, rank_env=None) -> LocalJob:
+        return LocalJob("ftmem.toy_train", self.args + list(extra), self.world, self.job, self.out,
+                        rank_env=rank_env)
+
+    def run(self, *extra) -> list[int]:
+        return self.start(*extra).wait(TIMEOUT)
+
+    def run_until_stopped(self, after: int) -> None:
+        """Train until every rank has committed and protected version ``after``, then SIGKILL them all."""
+        with self.start("--stop-after", str(after)) as run:
+            run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(self.world)), TIMEOUT,
+                         f"step {after}")
+
+    def log(self, rank) -> str:
+        return LocalJob.read_log(self.out, rank)
+
+    def nodes(self) -> dict:
+        return {n["node"]: n for n in jobs.status(self.shm_dir, self.job)["jobs"][0]["nodes"]}
+
+    def held(self, node) -> list[int]:
+        return self.nodes().get(node, {}).get("versions", [])
+
+    def lose_node(self, node) -> None:
+        """What losing a node means (DESIGN.md §5): its SMP killed, its shared memory gone.
+        Its ranks must already be dead."""
+        entry = self.nodes()[node]
+        if entry["smp_pid"]:
+            os.kill(entry["smp_pid"], 9)
+            while pid_alive(entry["smp_pid"]):
+                pass
+        shutil.rmtree(entry["path"])
+
+    def node_dir(self, node) -> str:
+        return self.nodes()[node]["path"]
+
+    def restart_and_check(self, reference, expect_version, rebuilt_ranks=()):
+        """Restart the whole job: it must restore ``expect_version``, rebuild exactly
+        ``rebuilt_ranks`` from parity, and end bitwise like the reference run."""
+        codes = self.run()
+        logs = [self.log(r) for r in range(self.world)]
+        assert codes == [0] * self.world, logs
+        for rank in range(self.world):
+            how = ", rebuilt from parity" if rank in rebuilt_ranks else ""
+            assert f"ftmem: restored iteration {expect_version} from memory (rank {rank}{how})\n" in logs[rank]
+        assert_same_training(self.out, reference, self.world)
+        assert jobs.list_jobs(self.shm_dir) == []  # a clean finish frees the job's memory
+
+
+def assert_same_training(out, reference, world):
+    for rank in range(world):
+        got, want = read_losses(out, rank), read_losses(reference, rank)
+        assert [got[i] for i in range(ITERS)] == [want[i] for i in range(ITERS)]
+        mine = torch.load(os.path.join(out, f"rank{rank}.final.pt"))
+        theirs = torch.load(os.path.join(reference, f"rank{rank}.final.pt"))
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def reference_run(out, world) -> str:
+    """An uninterrupted run of ``world`` ranks: per-step losses and final weights."""
+    shm_dir = new_shm_dir()
+    try:
+        job = TrainJob(shm_dir, out, world)
+        codes = job.run()
+        assert codes == [0] * world, job.log(0)
+    finally:
+        free_shm_dir(shm_dir)
+    return str(out)
