@@ -6,17 +6,26 @@ device-to-host copies on a side stream into the slot, registered as pinned memor
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from .layout import SnapshotPlan, TensorEntry
+from .layout import ReplicaShard, SnapshotPlan, TensorEntry
 
 
-def slot_view(slot_bytes: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    """The tensor-shaped window of a slot that holds one entry's bytes."""
-    raw = slot_bytes[entry.offset : entry.offset + entry.nbytes]
+def slot_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The tensor-shaped window of a slot (or of the replicated stream) holding an entry."""
+    raw = buffer[entry.offset : entry.offset + entry.nbytes]
     return raw.view(entry.dtype).view(entry.shape)
+
+
+def _shard_windows(entry: TensorEntry, shard: ReplicaShard) -> Optional[tuple[slice, slice]]:
+    """For a replicated entry: (its bytes, the slot bytes) that fall in this replica's shard."""
+    lo, hi = max(entry.offset, shard.start), min(entry.offset + entry.nbytes, shard.end)
+    if lo >= hi:
+        return None
+    return (slice(lo - entry.offset, hi - entry.offset),
+            slice(shard.offset + lo - shard.start, shard.offset + hi - shard.start))
 
 
 class CudaPinning:
@@ -68,8 +77,15 @@ def copy_into_slot(
             halfway()
         if entry.nbytes == 0:
             continue
-        dst = slot_view(slot_bytes, entry)
         src = t.detach()
+        if entry.replicated:  # only this replica's slice of it, as raw bytes
+            windows = _shard_windows(entry, plan.shard)
+            if windows is None:
+                continue
+            src = src.reshape(-1).view(torch.uint8)[windows[0]]
+            dst = slot_bytes[windows[1]]
+        else:
+            dst = slot_view(slot_bytes, entry)
         if src.is_cuda:
             stream = side_streams.setdefault(src.device, torch.cuda.Stream(src.device))
             stream.wait_event(cuda_ready[src.device])
@@ -85,13 +101,20 @@ def copy_into_slot(
         ev.synchronize()
 
 
-def read_from_slot(slot_bytes: torch.Tensor, plan: SnapshotPlan, device: torch.device) -> list[torch.Tensor]:
-    """Fresh tensors (not views of shared memory) rebuilt from a slot on ``device``."""
+def shard_bytes(slot_bytes: torch.Tensor, plan: SnapshotPlan) -> torch.Tensor:
+    """This replica's slice of the replicated stream, as stored in the slot."""
+    return slot_bytes[plan.shard.offset : plan.shard.offset + plan.shard.nbytes]
+
+
+def read_from_slot(slot_bytes: torch.Tensor, plan: SnapshotPlan, device: torch.device,
+                   stream: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """Fresh tensors (not views of shared memory) rebuilt on ``device`` from a slot and,
+    for replicated entries, from the whole replicated ``stream`` gathered from the replicas."""
     out = []
     for entry in plan.entries:
         t = torch.empty(entry.shape, dtype=entry.dtype, device=device)
         if entry.nbytes:
-            t.copy_(slot_view(slot_bytes, entry))
+            t.copy_(slot_view(stream if entry.replicated else slot_bytes, entry))
         if entry.is_parameter:
             t = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
         elif entry.requires_grad:

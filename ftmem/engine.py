@@ -19,18 +19,19 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import testhooks
 from .config import FtmemConfig
-from .copier import CudaPinning, capture_cuda_order, copy_into_slot, read_from_slot
-from .errors import CorruptShard, FtmemError
+from .copier import CudaPinning, capture_cuda_order, copy_into_slot, read_from_slot, shard_bytes
+from .errors import CorruptShard, FtmemError, LayoutMismatch
 from .handle import SaveHandle
 from .identity import RankIdentity
 from .layout import SnapshotPlan
+from .parallel import ParallelLayout, make_dp_groups
 from .placement import ec_groups
 from .protect import ColumnCoder, Topology, make_column_groups, piece_size, plan_recovery, with_slot
 from .serialize import join_state, split_state
@@ -79,14 +80,20 @@ class SnapshotEngine:
         config: Union[FtmemConfig, Mapping[str, Any], None] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
+        layout: Optional[ParallelLayout] = None,
     ):
         self.config = config if isinstance(config, FtmemConfig) else FtmemConfig.from_dict(config)
         rank, world_size = _rank_and_world(rank, world_size)
         self.identity = RankIdentity.resolve(self.config, rank, world_size)
+        self.layout = layout or ParallelLayout.data_parallel(world_size)
+        self.layout.validate(world_size)
+        self._dp_group = self.layout.dp_group_of(rank)
+        shard = self.config.dp_shard == "on" or (self.config.dp_shard == "auto" and len(self._dp_group) > 1)
+        self._dp_shard = shard and len(self._dp_group) > 1
         k, m = self.config.ec.resolve(self.identity.num_nodes)
         self.topology = Topology(world_size, self.identity.ranks_per_node,
                                  tuple(ec_groups(self.identity.num_nodes, k, m)))
-        self._gloo = None
+        self._gloo = self._dp_pg = None
         self._column: Optional[ColumnCoder] = None
         if world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
@@ -95,6 +102,8 @@ class SnapshotEngine:
                     f"is created (call dist.init_process_group first)."
                 )
             self._gloo = dist.new_group(backend="gloo")
+            if self._dp_shard:
+                self._dp_pg = make_dp_groups(self.layout, rank)
             if m > 0:
                 self._column = ColumnCoder(self.topology, rank)
                 self._column.pg = make_column_groups(self.topology, rank)
@@ -142,8 +151,13 @@ class SnapshotEngine:
             mm.close()
 
     # -- save -----------------------------------------------------------------
-    def save(self, state: Any, version: int) -> SaveHandle:
+    def save(self, state: Any, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None) -> SaveHandle:
         """Start snapshotting ``state`` as ``version``; returns without waiting for the copy.
+
+        ``replicated(t)`` says whether tensor ``t`` is identical on every replica of
+        this rank's DP group (e.g. module weights under ZeRO 0-2); with DP sharding
+        on, each replica keeps only its 1/D slice of those, and restore gathers them
+        back. Every replica must then hand in the same replicated tensors, in order.
 
         Until the returned handle's ``wait_reusable()`` returns, the tensors in
         ``state`` must not be modified (call it before the optimizer step). The
@@ -154,7 +168,9 @@ class SnapshotEngine:
         """
         self.wait()
         skeleton, tensors = split_state(state)
-        plan = SnapshotPlan.for_tensors(tensors)
+        flags = [bool(replicated(t)) for t in tensors] if (self._dp_shard and replicated) else None
+        replica = (self._dp_group.index(self.rank), len(self._dp_group))
+        plan = SnapshotPlan.for_tensors(tensors, flags, replica)
         self.reserve(plan.nbytes)
         self.store.drop_from(version)
         slot = self.store.free_slot()
@@ -163,7 +179,8 @@ class SnapshotEngine:
             self._pinning.ensure(slot_bytes)
         cuda_ready = capture_cuda_order(tensors)
         handle = SaveHandle(version)
-        record = CommitRecord(version=version, rank=self.rank, slot=slot, plan=plan, skeleton=skeleton)
+        record = CommitRecord(version=version, rank=self.rank, slot=slot, plan=plan, skeleton=skeleton,
+                              layout=self.layout)
         self._copier.submit(self._copy_and_commit, handle, record, tensors, slot_bytes, cuda_ready)
         self._inflight = handle
         return handle
@@ -261,9 +278,36 @@ class SnapshotEngine:
             self._rebuild(chosen, held, data, parity)
             data = {chosen: self.store.verify(chosen)} if self.rank in to_rebuild else data
         record = data[chosen]
-        tensors = read_from_slot(self._slot_bytes(record.slot), record.plan, torch.device(device))
+        mismatch = record.layout and self.layout.mismatch(record.layout)
+        if mismatch:
+            raise LayoutMismatch(f"version {chosen} was saved under another parallel layout ({mismatch}). "
+                                 f"Restart with the layout it was saved with, or restore from a disk checkpoint.")
+        slot_bytes = self._slot_bytes(record.slot)
+        stream = self._gather_replicated(record.plan, slot_bytes) if record.plan.shard else None
+        tensors = read_from_slot(slot_bytes, record.plan, torch.device(device), stream)
         self.store.drop_from(chosen + 1)
         return Restored(version=chosen, state=join_state(record.skeleton, tensors), rebuilt=self.rank in to_rebuild)
+
+    def _gather_replicated(self, plan: SnapshotPlan, slot_bytes: torch.Tensor) -> torch.Tensor:
+        """The whole replicated stream, from every DP replica's slice (collective over the DP group)."""
+        shard = plan.shard
+        if self._dp_pg is None or shard.count != len(self._dp_group):
+            raise LayoutMismatch(f"this version is DP-sharded over {shard.count} replicas, but the job now has "
+                                 f"DP sharding {'on' if self._dp_shard else 'off'} over {len(self._dp_group)}.")
+        width = -(-shard.stream_nbytes // shard.count)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: shard.nbytes] = shard_bytes(slot_bytes, plan)
+        slices = [torch.empty(width, dtype=torch.uint8) for _ in range(shard.count)]
+        dist.all_gather(slices, mine, group=self._dp_pg)
+        sizes = _gather(shard.stream_nbytes, self._dp_pg)
+        if len(set(sizes)) != 1:
+            raise FtmemError(f"the replicas {list(self._dp_group)} saved different replicated state "
+                             f"(stream sizes {sizes}): every replica must mark the same tensors replicated.")
+        stream = torch.empty(shard.stream_nbytes, dtype=torch.uint8)
+        for d, piece in enumerate(slices):
+            start, end = shard.stream_nbytes * d // shard.count, shard.stream_nbytes * (d + 1) // shard.count
+            stream[start:end] = piece[: end - start]
+        return stream
 
     def _column_ranks(self) -> list[int]:
         t = self.topology

@@ -21,5 +21,13 @@ class NoRecoverableVersion(FtmemError):
     """No version is held, intact, by every rank of the job."""
 
 
+class NotRecoverableFromMemory(NoRecoverableVersion):
+    """Versions are held, but none can be rebuilt for every rank: fall back to disk."""
+
+
 class CorruptShard(FtmemError):
     """A held shard's bytes do not match the checksum taken when it was saved."""
+
+
+class LayoutMismatch(FtmemError):
+    """A held version was saved under another parallel layout than the job runs now."""

@@ -1,17 +1,21 @@
 """Planning: where each tensor's bytes go in a rank's shared-memory slot.
 
-A plan depends only on the tensors' dtypes and shapes, so the buffers it sizes are
-reused by every later save of the same state (no per-save allocation).
+Unique tensors (bytes only this rank has) are stored whole. Tensors replicated
+across the rank's data-parallel group are, with DP sharding (REFT), stored once per
+group: their bytes form one *replicated stream* (same order and layout on every
+replica), and replica d of D keeps only the d-th of D slices of that stream. A plan
+depends only on the tensors' dtypes and shapes, so the buffers it sizes are reused
+by every later save of the same state (no per-save allocation).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-# Cache-line alignment keeps every tensor's bytes on their own lines and lets the
-# restored views be handed to vectorised copies without a misaligned head.
+# Cache-line alignment keeps every tensor's bytes on their own lines, and keeps
+# every offset a multiple of any element size so bytes can be viewed as the dtype.
 ALIGN = 64
 
 
@@ -21,7 +25,11 @@ def _aligned(n: int) -> int:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of a snapshot: where its bytes are and how to rebuild it."""
+    """One tensor of a snapshot: where its bytes are and how to rebuild it.
+
+    ``offset`` is into the slot for a unique tensor, into the replicated stream for
+    a replicated one.
+    """
 
     offset: int
     nbytes: int
@@ -29,27 +37,51 @@ class TensorEntry:
     shape: tuple[int, ...]
     is_parameter: bool
     requires_grad: bool
+    replicated: bool = False
+
+
+@dataclass(frozen=True)
+class ReplicaShard:
+    """This replica's slice [start, end) of the replicated stream, kept at ``offset`` in the slot."""
+
+    offset: int
+    start: int
+    end: int
+    stream_nbytes: int
+    index: int
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
 
 
 @dataclass(frozen=True)
 class SnapshotPlan:
     entries: tuple[TensorEntry, ...]
     nbytes: int  # bytes of the slot in use, padding included
+    shard: Optional[ReplicaShard] = None
 
     @classmethod
-    def for_tensors(cls, tensors: Sequence[torch.Tensor]) -> "SnapshotPlan":
-        entries, offset = [], 0
-        for t in tensors:
+    def for_tensors(cls, tensors: Sequence[torch.Tensor], replicated: Optional[Sequence[bool]] = None,
+                    replica: tuple[int, int] = (0, 1)) -> "SnapshotPlan":
+        """Plan ``tensors``; those flagged in ``replicated`` are DP-sharded as replica
+        ``replica = (index, count)`` of their group."""
+        replicated = replicated or [False] * len(tensors)
+        entries, slot_offset, stream_offset = [], 0, 0
+        for t, rep in zip(tensors, replicated):
             nbytes = t.numel() * t.element_size()
-            entries.append(
-                TensorEntry(
-                    offset=offset,
-                    nbytes=nbytes,
-                    dtype=t.dtype,
-                    shape=tuple(t.shape),
-                    is_parameter=isinstance(t, torch.nn.Parameter),
-                    requires_grad=t.requires_grad,
-                )
-            )
-            offset += _aligned(nbytes)
-        return cls(entries=tuple(entries), nbytes=offset)
+            entries.append(TensorEntry(offset=stream_offset if rep else slot_offset, nbytes=nbytes, dtype=t.dtype,
+                                       shape=tuple(t.shape), is_parameter=isinstance(t, torch.nn.Parameter),
+                                       requires_grad=t.requires_grad, replicated=rep))
+            if rep:
+                stream_offset += _aligned(nbytes)
+            else:
+                slot_offset += _aligned(nbytes)
+        if not any(replicated):
+            return cls(entries=tuple(entries), nbytes=slot_offset)
+        index, count = replica
+        shard = ReplicaShard(offset=slot_offset, start=stream_offset * index // count,
+                             end=stream_offset * (index + 1) // count, stream_nbytes=stream_offset,
+                             index=index, count=count)
+        return cls(entries=tuple(entries), nbytes=slot_offset + _aligned(shard.nbytes), shard=shard)

@@ -26,14 +26,10 @@ import torch.distributed as dist
 
 from .checksum import checksum
 from .codec import Codec
-from .errors import NoRecoverableVersion
+from .errors import NotRecoverableFromMemory
 from .layout import ALIGN
 from .placement import ECGroup
 from .slots import CommitRecord, ParityRecord
-
-
-class NotRecoverableFromMemory(NoRecoverableVersion):
-    """Versions are held, but none can be rebuilt for every rank: fall back to disk."""
 
 
 @dataclass(frozen=True)

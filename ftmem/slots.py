@@ -30,6 +30,7 @@ from typing import Optional
 from .checksum import ALGORITHM, checksum
 from .errors import CorruptShard, ShmBudgetError
 from .layout import SnapshotPlan
+from .parallel import ParallelLayout
 from .units import fmt_bytes
 
 NUM_SLOTS = 2
@@ -53,6 +54,7 @@ class CommitRecord:
     slot: int
     plan: SnapshotPlan
     skeleton: bytes
+    layout: Optional[ParallelLayout] = None  # the job's layout when the version was saved
 
 
 @dataclass(frozen=True)

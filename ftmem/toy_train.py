@@ -4,7 +4,8 @@ Used by ``ftmem demo`` and the crash tests, with real processes, a real gloo pro
 group and real SIGKILLs. Each rank trains a small MLP with dropout (so the RNG state
 matters) on synthetic batches that depend only on (iteration, rank), averages the
 gradients over the ranks, and saves model, optimizer, scheduler and RNG state to
-ftmem after every step. The copy overlaps the next forward/backward; only the next
+ftmem after every step, marking model and optimizer tensors as replicated across
+the ranks (so with DP sharding each rank keeps a 1/world slice of them). The copy overlaps the next forward/backward; only the next
 optimizer step waits for it.
 
 Run one rank per process with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set::
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import SnapshotEngine
-from .protect import NotRecoverableFromMemory
+from .errors import NotRecoverableFromMemory
 
 IN, HIDDEN, OUT = 32, 64, 8
 
@@ -67,12 +68,13 @@ def main(argv=None) -> None:
     parser.add_argument("--shm-dir", default="/dev/shm")
     parser.add_argument("--ec-k", type=int, default=None)
     parser.add_argument("--ec-m", type=int, default=None)
+    parser.add_argument("--dp-shard", choices=["auto", "on", "off"], default="auto")
     args = parser.parse_args(argv)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = SnapshotEngine({"ranks_per_node": args.ranks_per_node, "shm_dir": args.shm_dir,
-                             "ec": {"k": args.ec_k, "m": args.ec_m}})
+                             "ec": {"k": args.ec_k, "m": args.ec_m}, "dp_shard": args.dp_shard})
 
     torch.manual_seed(99 + rank)  # per-rank dropout masks
     model = build_model()
@@ -115,7 +117,10 @@ def main(argv=None) -> None:
         optim.zero_grad()
         losses.write(json.dumps({"it": it, "loss": loss.item()}) + "\n")
         losses.flush()
-        handle = engine.save(state(it), it)
+        snapshot = state(it)
+        # Model and optimizer state are identical on every rank (averaged gradients);
+        # the torch RNG state (per-rank dropout) is the only tensor unique to a rank.
+        handle = engine.save(snapshot, it, replicated=lambda t: t is not snapshot["rng"]["torch"])
         if it == args.stop_after:
             handle.wait_committed()
             print(f"rank {rank}: stopped after committing version {it}; waiting to be killed", flush=True)

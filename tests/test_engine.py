@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import job_id, run_cli
-from ftmem import CorruptShard, NoRecoverableVersion, ShmBudgetError, SnapshotEngine
+from ftmem import (ConfigError, CorruptShard, LayoutMismatch, NoRecoverableVersion, ParallelLayout, ShmBudgetError,
+                   SnapshotEngine)
 from ftmem.procs import pid_alive
 from ftmem.serialize import UnsupportedTensor
 from ftmem.smp_client import running_smp
@@ -305,3 +306,22 @@ def test_unsupported_tensors_are_refused_before_anything_is_written(shm_dir):
         engine.save({"s": torch.eye(3).to_sparse()}, 1)
     assert engine.versions() == []
     engine.close(job_finished=True)
+
+
+def test_a_version_saved_under_another_layout_is_refused_with_the_mismatch(shm_dir):
+    job = job_id()
+    engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job}, rank=0, world_size=1,
+                            layout=ParallelLayout(dp_groups=((0,),), zero_stage=1))
+    engine.save({"w": torch.zeros(3)}, 1).wait_committed()
+    engine.close()
+    other = SnapshotEngine({"shm_dir": shm_dir, "job_id": job}, rank=0, world_size=1,
+                           layout=ParallelLayout(dp_groups=((0,),), zero_stage=2))
+    with pytest.raises(LayoutMismatch, match="zero_stage 1 -> 2"):
+        other.restore()
+    other.close(job_finished=True)
+
+
+def test_a_layout_that_does_not_fit_the_world_is_refused(shm_dir):
+    with pytest.raises(ConfigError, match="does not make the world size 1"):
+        SnapshotEngine({"shm_dir": shm_dir, "job_id": job_id()}, rank=0, world_size=1,
+                       layout=ParallelLayout(dp_groups=((0,),), tp_size=2))

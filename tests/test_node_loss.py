@@ -88,3 +88,20 @@ def test_a_corrupted_parity_shard_is_routed_around(shm_dir, tmp_path, references
     job.lose_node(1)
     job.restart_and_check(references(4), expect_version=4, rebuilt_ranks={1})
     assert "parity piece 0" in job.log(3) and "does not match its checksum" in job.log(3)
+
+
+def test_dp_sharding_keeps_a_slice_per_replica_and_off_restores_the_same(shm_dir, tmp_path, references):
+    sharded = TrainJob(shm_dir, tmp_path / "on", world=3, ec=(2, 1))
+    sharded.run_until_stopped(after=5)
+    plan = RankStore(sharded.node_dir(1), 1).read_commit(5).plan
+    assert plan.shard.count == 3 and plan.shard.index == 1
+    assert plan.shard.nbytes <= plan.shard.stream_nbytes // 3 + 1  # a third of the replicated bytes
+    sharded.lose_node(1)
+    sharded.restart_and_check(references(3), expect_version=5, rebuilt_ranks={1})
+
+    whole = TrainJob(shm_dir, tmp_path / "off", world=3, ec=(2, 1))
+    whole.args += ["--dp-shard", "off"]
+    whole.run_until_stopped(after=5)
+    assert RankStore(whole.node_dir(1), 1).read_commit(5).plan.shard is None
+    whole.lose_node(1)
+    whole.restart_and_check(references(3), expect_version=5, rebuilt_ranks={1})
