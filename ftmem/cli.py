@@ -44,9 +44,14 @@ def _cmd_clean(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from .bench import bench_save
+    if args.what == "save":
+        from .bench_save import bench_save
 
-    bench_save(total_mb=args.mb, repeat=args.repeat, shm_dir=args.shm_dir)
+        bench_save(total_mb=args.mb or 500, repeat=args.repeat, shm_dir=args.shm_dir)
+    else:
+        from .bench_ec import bench_ec
+
+        bench_ec(mb_per_node=args.mb or 1024, piece_mb=args.piece_mb, shm_dir=args.shm_dir)
     return 0
 
 
@@ -103,9 +108,13 @@ def main(argv=None) -> int:
     p.add_argument("--job", help="the job (default: FTMEM_JOB_ID or TORCHELASTIC_RUN_ID)")
     p.add_argument("--all", action="store_true", help="every ftmem job in the shared-memory directory")
     p = add("bench", "benchmarks; each ends with a RESULT line", _cmd_bench)
-    p.add_argument("what", choices=["save"], help="save: blocking and copy time of a save vs torch.save and memcpy")
-    p.add_argument("--mb", type=int, default=500, help="size of the state in MiB (default 500)")
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("what", choices=["save", "ec"],
+                   help="save: blocking and copy time of a save vs torch.save and memcpy; "
+                        "ec: coding throughput per core vs memcpy, time to protection, memory overhead")
+    p.add_argument("--mb", type=int, default=None,
+                   help="state size in MiB (save: default 500; ec: per node, default 1024)")
+    p.add_argument("--repeat", type=int, default=5, help="save: timed saves")
+    p.add_argument("--piece-mb", type=int, default=64, help="ec: MiB per piece in the throughput runs")
     add("demo", "train, SIGKILL a rank, restore from memory, compare with an uninterrupted run", _cmd_demo)
     p = sub.add_parser("survival", help="probability that a version survives F random node failures, EC vs replication")
     p.add_argument("--nodes", type=int, required=True)

@@ -1,6 +1,7 @@
-"""``ftmem demo``: two ranks on two virtual nodes train, one is SIGKILLed, the job
-restarts, restores from the SMPs' shared memory and finishes bitwise identical to a
-run that never failed."""
+"""``ftmem demo``: three ranks on three virtual nodes train with erasure-coded
+in-memory snapshots; every rank is SIGKILLed and one whole node is lost; the job
+restarts, rebuilds the lost node's state from parity, and finishes bitwise identical
+to a run that never failed."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,8 @@ import torch
 from . import jobs
 from .launch import LocalJob
 
-WORLD = 2
+WORLD = 3
+LOST_NODE = 1
 TIMEOUT_S = 180
 
 
@@ -30,10 +32,10 @@ def same_final_weights(out_a: str, out_b: str, rank: int) -> bool:
 def run_demo(iters: int = 12, kill_after: int = 7, shm_dir: str = "/dev/shm") -> bool:
     work = tempfile.mkdtemp(prefix="ftmem-demo-")
     job = f"demo-{os.getpid()}"
-    train = ["--iters", str(iters), "--ranks-per-node", "1", "--shm-dir", shm_dir]
+    train = ["--iters", str(iters), "--ranks-per-node", "1", "--shm-dir", shm_dir, "--ec-k", "2", "--ec-m", "1"]
     say = lambda msg: print(f"[demo] {msg}", flush=True)  # noqa: E731
-    say(f"{WORLD} ranks on {WORLD} virtual nodes train a small model for {iters} steps, "
-        f"saving model, optimizer, scheduler and RNG to shared memory after every step.")
+    say(f"{WORLD} ranks on {WORLD} virtual nodes train a small model for {iters} steps, saving model, optimizer, "
+        f"scheduler and RNG to shared memory after every step, erasure coded across the nodes (k=2, m=1).")
     try:
         ref = os.path.join(work, "reference")
         LocalJob("ftmem.toy_train", train + ["--out", ref], WORLD, f"{job}-ref", ref).wait(TIMEOUT_S)
@@ -43,18 +45,20 @@ def run_demo(iters: int = 12, kill_after: int = 7, shm_dir: str = "/dev/shm") ->
         with LocalJob("ftmem.toy_train", train + ["--out", crashed, "--stop-after", str(kill_after)],
                       WORLD, job, crashed) as first:
             first.wait_for(lambda: all("stopped after" in first.log(r) for r in range(WORLD)), TIMEOUT_S,
-                           f"both ranks to reach step {kill_after}")
-            first.kill(1)
-            first.kill(0)
-        held = {n["node"]: (n["versions"], n["smp_pid"]) for n in jobs.status(shm_dir, job)["jobs"][0]["nodes"]}
-        say(f"SIGKILLed rank 1, then rank 0, after step {kill_after}. The SMPs outlived them and hold: "
-            + "; ".join(f"node {n}: versions {v} (SMP pid {p})" for n, (v, p) in held.items()))
+                           f"every rank to reach step {kill_after}")
+            first.kill_all()
+        nodes = jobs.status(shm_dir, job)["jobs"][0]["nodes"]
+        say(f"SIGKILLed every rank after step {kill_after}. The SMPs outlived them: "
+            + "; ".join(f"node {n['node']} holds versions {n['versions']}, protected {n['protected']}" for n in nodes))
+        jobs.lose_node(shm_dir, job, LOST_NODE)
+        say(f"lost node {LOST_NODE} entirely: its SMP SIGKILLed and its shared memory deleted")
 
         LocalJob("ftmem.toy_train", train + ["--out", crashed], WORLD, job, crashed).wait(TIMEOUT_S)
-        restored = [line for line in LocalJob.read_log(crashed, 0).splitlines() if line.startswith("ftmem: restored")]
-        say(f"restarted the job: {restored[-1] if restored else 'NOTHING RESTORED'}")
+        for rank in range(WORLD):
+            restored = [ln for ln in LocalJob.read_log(crashed, rank).splitlines() if ln.startswith("ftmem: restored")]
+            say(f"restarted rank {rank}: {restored[-1] if restored else 'NOTHING RESTORED'}")
 
-        ok = bool(restored)
+        ok = True
         for rank in range(WORLD):
             ref_losses, got = read_losses(ref, rank), read_losses(crashed, rank)
             same_losses = all(got[it] == ref_losses[it] for it in range(iters))

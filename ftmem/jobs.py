@@ -75,6 +75,22 @@ def _stop(pid: int) -> None:
         pass
 
 
+def lose_node(shm_dir: str, job: str, node: int) -> None:
+    """Do to a node's snapshots what losing the node does (DESIGN.md §5): SIGKILL its
+    SMP and delete its shared memory. For failure drills and tests; the node's
+    training ranks are expected to be dead already."""
+    for n, path in _node_dirs(shm_dir, job):
+        if n == node:
+            pid = running_smp(path)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                while pid_alive(pid):
+                    time.sleep(0.005)
+            shutil.rmtree(path)
+            return
+    raise FileNotFoundError(f"job {job} has no node {node} in {shm_dir}")
+
+
 def clean(shm_dir: str, job: str) -> list[str]:
     """Stop the job's SMPs and delete its shared memory; returns the paths freed."""
     freed = []

@@ -38,8 +38,8 @@ class LocalJob:
         for rank in range(world_size):
             proc_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                            FTMEM_JOB_ID=job_id, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-                            **(env or {}), **((rank_env or {}).get(rank, {})))
+                            FTMEM_JOB_ID=job_id, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+            proc_env.update(env or {}, **(rank_env or {}).get(rank, {}))
             with open(self.log_path(rank), "ab") as log:
                 self.procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=proc_env,
                                                    stdout=log, stderr=subprocess.STDOUT,

@@ -31,6 +31,8 @@ from .layout import ALIGN
 from .placement import ECGroup
 from .slots import CommitRecord, ParityRecord
 
+EXCHANGE_CHUNK = 32 << 20  # bytes per move and round when protecting
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -136,9 +138,9 @@ class ColumnCoder:
         return self.group.m * piece
 
     @staticmethod
-    def _put_piece(dst: np.ndarray, data: np.ndarray, length: int, index: int, piece: int) -> None:
-        start = index * piece
-        chunk = data[start : min(start + piece, length)] if start < length else data[:0]
+    def _put_piece(dst: np.ndarray, data: np.ndarray, length: int, start: int, width: int) -> None:
+        """Copy data bytes [start, start+width) into ``dst``, zeros past the data's ``length``."""
+        chunk = data[start : min(start + width, length)] if start < length else data[:0]
         dst[: len(chunk)] = chunk
         dst[len(chunk) :] = 0
 
@@ -163,19 +165,24 @@ class ColumnCoder:
                  for p, src in enumerate(g.data_members(stripe))]
         outgoing = sorted((mv for mv in moves if mv[0] == pos), key=lambda mv: mv[1])
         incoming = sorted((mv for mv in moves if mv[1] == pos), key=lambda mv: mv[0])
-        send = self._buffer("send", len(outgoing) * piece)
-        send_np = send.numpy()
-        for i, (_, _, _, _, p) in enumerate(outgoing):
-            self._put_piece(send_np[i * piece : (i + 1) * piece], data, lengths[pos], p, piece)
-        recv = self._buffer("recv", len(incoming) * piece)
-        self._all_to_all(recv, send, incoming, outgoing, piece)
-        recv_np = recv.numpy()
-        at = {(stripe, q, p): i * piece for i, (_, _, stripe, q, p) in enumerate(incoming)}
-        sums = []
-        for i, (stripe, q) in enumerate(g.parity_held(pos)):
-            out = parity[i * piece : (i + 1) * piece]
-            self.codec.encode_row(q, [recv_np[at[(stripe, q, p)] : at[(stripe, q, p)] + piece] for p in range(g.k)], out)
-            sums.append(checksum(out))
+        held = g.parity_held(pos)
+        # In rounds of at most EXCHANGE_CHUNK bytes per move: staging memory stays
+        # bounded whatever the state size, and each round's pieces are still in cache
+        # when they are encoded.
+        for start in range(0, piece, EXCHANGE_CHUNK):
+            width = min(EXCHANGE_CHUNK, piece - start)
+            send = self._buffer("send", len(outgoing) * width)
+            send_np = send.numpy()
+            for i, (_, _, _, _, p) in enumerate(outgoing):
+                self._put_piece(send_np[i * width : (i + 1) * width], data, lengths[pos], p * piece + start, width)
+            recv = self._buffer("recv", len(incoming) * width)
+            self._all_to_all(recv, send, incoming, outgoing, width)
+            recv_np = recv.numpy()
+            at = {(stripe, q, p): i * width for i, (_, _, stripe, q, p) in enumerate(incoming)}
+            for i, (stripe, q) in enumerate(held):
+                sources = [recv_np[at[(stripe, q, p)] : at[(stripe, q, p)] + width] for p in range(g.k)]
+                self.codec.encode_row(q, sources, parity[i * piece + start : i * piece + start + width])
+        sums = [checksum(parity[i * piece : (i + 1) * piece]) for i in range(len(held))]
         return ParityRecord(version=record.version, slot=record.slot, piece_size=piece, lengths=tuple(lengths),
                             records=tuple(records), checksums=tuple(sums))
 
@@ -215,7 +222,7 @@ class ColumnCoder:
         for i, (_, _, stripe, code) in enumerate(outgoing):
             dst = send_np[i * piece : (i + 1) * piece]
             if code < k:  # a data piece of this member
-                self._put_piece(dst, data, lengths[pos], code, piece)
+                self._put_piece(dst, data, lengths[pos], code * piece, piece)
             else:  # a parity piece this member holds
                 index = g.parity_held(pos).index((stripe, code - k))
                 dst[:] = parity[1][index * piece : (index + 1) * piece]

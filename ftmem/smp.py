@@ -51,6 +51,10 @@ class SnapshotManager:
         self.ranks = ranks
         self._seal_queue: "queue.Queue[tuple[int, int] | None]" = queue.Queue()
         self._lock = threading.Lock()
+        # Held while a seal is written; once the node is being freed no seal may
+        # start, or it could recreate a file in the directory being deleted.
+        self._seal_lock = threading.Lock()
+        self._releasing = False
 
     # -- sealing (off the training critical path) ----------------------------
     def _unsealed(self) -> list[tuple[int, int]]:
@@ -64,9 +68,10 @@ class SnapshotManager:
         while True:
             rank, version = self._seal_queue.get()
             try:
-                store = RankStore(self.node_dir, rank)
-                if store.read_seal(version) is None:
-                    store.seal(version)
+                with self._seal_lock:
+                    store = RankStore(self.node_dir, rank)
+                    if not self._releasing and store.read_seal(version) is None:
+                        store.seal(version)
             except Exception:  # one bad shard must not stop sealing the others
                 log.exception("sealing rank %d version %d failed", rank, version)
             finally:
@@ -127,6 +132,8 @@ class SnapshotManager:
     def _release_and_exit(self) -> None:
         """The job ended cleanly on every local rank: free the node's memory and go."""
         log.info("all local ranks %s finished; freeing %s", self.ranks, self.node_dir)
+        with self._seal_lock:
+            self._releasing = True
         shutil.rmtree(self.node_dir, ignore_errors=True)
         try:
             os.rmdir(os.path.dirname(self.node_dir))  # the job directory, once empty

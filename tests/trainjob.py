@@ -1,7 +1,6 @@
 """Running ftmem.toy_train jobs in tests: reference runs, restarts, bitwise checks,
 losing whole virtual nodes."""
 import os
-import shutil
 
 import torch
 
@@ -9,7 +8,6 @@ from conftest import free_shm_dir, job_id, new_shm_dir
 from ftmem import jobs
 from ftmem.demo import read_losses
 from ftmem.launch import LocalJob
-from ftmem.procs import pid_alive
 
 ITERS, TIMEOUT = 10, 240
 
@@ -48,14 +46,7 @@ class TrainJob:
         return self.nodes().get(node, {}).get("versions", [])
 
     def lose_node(self, node) -> None:
-        """What losing a node means (DESIGN.md §5): its SMP killed, its shared memory gone.
-        Its ranks must already be dead."""
-        entry = self.nodes()[node]
-        if entry["smp_pid"]:
-            os.kill(entry["smp_pid"], 9)
-            while pid_alive(entry["smp_pid"]):
-                pass
-        shutil.rmtree(entry["path"])
+        jobs.lose_node(self.shm_dir, self.job, node)
 
     def node_dir(self, node) -> str:
         return self.nodes()[node]["path"]
@@ -70,7 +61,8 @@ class TrainJob:
             how = ", rebuilt from parity" if rank in rebuilt_ranks else ""
             assert f"ftmem: restored iteration {expect_version} from memory (rank {rank}{how})\n" in logs[rank]
         assert_same_training(self.out, reference, self.world)
-        assert jobs.list_jobs(self.shm_dir) == []  # a clean finish frees the job's memory
+        left = jobs.status(self.shm_dir)["jobs"]
+        assert left == [], left  # a clean finish frees the job's memory
 
 
 def assert_same_training(out, reference, world):
