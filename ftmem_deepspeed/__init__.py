@@ -1,0 +1,57 @@
+"""ftmem for DeepSpeed: ``import ftmem_deepspeed`` before ``deepspeed.initialize`` and
+set ``"checkpoint": {"engine": "ftmem"}`` in the JSON config.
+
+The import installs two small hooks (the patch in ``patches/`` makes both native):
+
+* DeepSpeed imports ``create_checkpoint_engine`` by name into
+  ``deepspeed.runtime.engine``; that name is wrapped so that ``"engine": "ftmem"``
+  selects :class:`FtmemCheckpointEngine`. Without it DeepSpeed behaves as before.
+* ``DeepSpeedEngine._take_model_step`` (the optimizer step of both the plain and the
+  pipeline engine) first waits until the last snapshot's copy is done, since the
+  step overwrites what it copies.
+"""
+from __future__ import annotations
+
+import functools
+
+import deepspeed.runtime.engine as ds_engine
+
+from .checkpoint_engine import FtmemCheckpointEngine
+
+ENGINE_NAME = "ftmem"
+
+
+def selected(config_params) -> bool:
+    checkpoint = (getattr(config_params, "_param_dict", None) or {}).get("checkpoint") or {}
+    return checkpoint.get("engine") == ENGINE_NAME
+
+
+def install() -> None:
+    """Install the hooks (idempotent)."""
+    if getattr(ds_engine.create_checkpoint_engine, "_ftmem", False):
+        return
+    stock_factory = ds_engine.create_checkpoint_engine
+
+    @functools.wraps(stock_factory)
+    def create_checkpoint_engine(config_params, groups, zero_stage, has_moe_layers, optimize_dp_state):
+        if selected(config_params):
+            return FtmemCheckpointEngine(config_params, zero_stage=zero_stage)
+        return stock_factory(config_params, groups, zero_stage, has_moe_layers, optimize_dp_state)
+
+    create_checkpoint_engine._ftmem = True
+    ds_engine.create_checkpoint_engine = create_checkpoint_engine
+
+    stock_step = ds_engine.DeepSpeedEngine._take_model_step
+
+    @functools.wraps(stock_step)
+    def _take_model_step(self, *args, **kwargs):
+        if isinstance(self.checkpoint_engine, FtmemCheckpointEngine):
+            self.checkpoint_engine.wait_reusable()
+        return stock_step(self, *args, **kwargs)
+
+    ds_engine.DeepSpeedEngine._take_model_step = _take_model_step
+
+
+install()
+
+__all__ = ["FtmemCheckpointEngine", "install", "selected"]

@@ -1,0 +1,219 @@
+"""ftmem as a DeepSpeed checkpoint engine.
+
+DeepSpeed's ``save_checkpoint`` hands its engine one state dict per file (model
+states, ZeRO optimizer partitions, pipeline layer files) between ``create`` and
+``commit``. This engine collects them, together with the rank's RNG states (which
+DeepSpeed does not save), and at ``commit`` starts one ftmem snapshot of them all as
+version = the engine's global step; the copy runs in the background. The tensors are
+live (views of DeepSpeed's flat buffers), so the next optimizer step waits for the
+copy first (see :func:`ftmem_deepspeed.install`). On disk only small stub files are
+written, so ``load_checkpoint``'s ``latest``/glob/exists checks keep working; its
+``load`` calls are then served from the restored snapshot.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import random
+import sys
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from ftmem import FtmemConfig, ParallelLayout, SnapshotEngine
+from ftmem.errors import FtmemError
+from ftmem.slots import write_atomically
+
+log = logging.getLogger("ftmem")
+
+STUB_MAGIC = "ftmem in-memory checkpoint stub"
+
+
+def rng_states() -> dict:
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def file_key(path: str) -> str:
+    """A checkpoint file's name relative to the save dir: ``<tag>/<file>``."""
+    return os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+
+
+def is_stub(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(STUB_MAGIC))
+        return head == STUB_MAGIC.encode()
+    except OSError:
+        return False
+
+
+def apply_map_location(obj: Any, map_location) -> Any:
+    """What ``torch.load(map_location=...)`` would have done to restored CPU tensors:
+    a device or string moves them; a callable gets each storage, as torch.load calls it."""
+    if map_location is None:
+        return obj
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if callable(map_location):
+            storage = map_location(t.untyped_storage(), "cpu")
+            if storage is t.untyped_storage():
+                return t
+            return torch.empty(0, dtype=t.dtype, device=storage.device).set_(storage, t.storage_offset(),
+                                                                             t.size(), t.stride())
+        return t.to(map_location)
+
+    if isinstance(obj, torch.Tensor):
+        return move(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, apply_map_location(v, map_location)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(apply_map_location(v, map_location) for v in obj)
+    return obj
+
+
+def _layout(zero_stage: int) -> ParallelLayout:
+    """The job's DP groups as DeepSpeed formed them (sequence-DP included); collective."""
+    from deepspeed.utils import groups
+
+    world = dist.get_world_size()
+    dp_group = groups._get_sequence_data_parallel_group()
+    mine = tuple(sorted(dist.get_process_group_ranks(dp_group))) if dp_group is not None else tuple(range(world))
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    dp_groups = tuple(sorted(set(everyone)))
+    model_parallel = world // len(mine)
+    return ParallelLayout(dp_groups=dp_groups, tp_size=1, pp_size=model_parallel, zero_stage=zero_stage)
+
+
+class FtmemCheckpointEngine(CheckpointEngine):
+    """Selected by ``"checkpoint": {"engine": "ftmem"}``; configured by the ``"ftmem"`` section."""
+
+    def __init__(self, config_params=None, zero_stage: int = 0):
+        super().__init__(config_params)
+        self.name = "ftmem"
+        section = (getattr(config_params, "_param_dict", None) or {}).get("ftmem")
+        self.config = FtmemConfig.from_dict(section)
+        self.zero_stage = zero_stage
+        self.snapshots = SnapshotEngine(self.config, layout=_layout(zero_stage))
+        self._files: dict[str, Any] = {}
+        self._replicated: set[int] = set()
+        self._handle = None
+        self._restored: Optional[dict] = None
+        self._restore_tried = False
+        self._crashed = False
+        previous_hook = sys.excepthook
+
+        def note_crash(*exc_info):  # an exception exit is no clean end of the job
+            self._crashed = True
+            previous_hook(*exc_info)
+        sys.excepthook = note_crash
+        atexit.register(self._at_exit)
+
+    # -- DeepSpeed's interface ----------------------------------------------------------
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self.wait_reusable()
+        self._files, self._replicated = {}, set()
+
+    def makedirs(self, path, exist_ok=False) -> None:
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict, path: str) -> None:
+        key = file_key(path)
+        self._files[key] = state_dict
+        if self._holds_replicated_module(state_dict):
+            # Module weights (and, without ZeRO, the optimizer) are the same on every
+            # DP replica: each replica keeps only its slice of them.
+            for part in ("module", "optimizer") if self.zero_stage == 0 else ("module",):
+                self._replicated |= {id(t) for t in _tensors(state_dict.get(part))}
+        stub = pickle.dumps({"tag_file": key, "job": self.snapshots.identity.job})
+        write_atomically(path, STUB_MAGIC.encode() + stub)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """Start the snapshot of everything saved since ``create``; returns at once."""
+        version = self._version()
+        state = {"files": self._files, "rng": rng_states(), "tag": info.tag}
+        replicated = self._replicated
+        self._handle = self.snapshots.save(state, version, replicated=lambda t: id(t) in replicated)
+        self._files, self._replicated = {}, set()
+        return True
+
+    def load(self, path: str, map_location=None):
+        if not is_stub(path):  # a checkpoint written by another engine: stock behaviour
+            return torch.load(path, map_location=map_location, weights_only=False)
+        state = self._restore()
+        key = file_key(path)
+        if state is None or key not in state["files"]:
+            raise FtmemError(
+                f"{path} is an ftmem stub and memory holds no version with it "
+                f"(held: {sorted(state['files']) if state else 'nothing'}). Load an older disk checkpoint "
+                f"(load_checkpoint(dir, tag=...)) or one written by the persistent tier."
+            )
+        return apply_map_location(state["files"][key], map_location)
+
+    def is_data_parallel_writer(self, dp_rank) -> bool:
+        return True  # every DP replica snapshots its slice of the replicated state
+
+    def is_decoupled(self) -> bool:
+        return False
+
+    # -- ftmem ---------------------------------------------------------------------------
+    def wait_reusable(self) -> None:
+        """Before the optimizer writes the state again: the snapshot's copy must be done."""
+        if self._handle is not None:
+            self._handle.wait_reusable()
+
+    def wait_protected(self) -> None:
+        """Until the last snapshot is committed and protected on every rank."""
+        if self._handle is not None:
+            self._handle.wait_committed()
+
+    def _version(self) -> int:
+        steps = {sd.get("global_steps") for sd in self._files.values() if isinstance(sd, dict)} - {None}
+        if len(steps) != 1:
+            raise FtmemError(f"cannot tell the global step of this checkpoint (found {sorted(steps)}).")
+        return int(steps.pop())
+
+    def _holds_replicated_module(self, state_dict) -> bool:
+        return isinstance(state_dict, dict) and "module" in state_dict and self.zero_stage < 3
+
+    def _restore(self) -> Optional[dict]:
+        """Restore once per process, at DeepSpeed's first load (all ranks reach it together)."""
+        if not self._restore_tried:
+            self._restore_tried = True
+            restored = self.snapshots.restore()
+            if restored is not None:
+                self._restored = restored.state
+                set_rng_states(restored.state["rng"])
+                how = ", rebuilt from parity" if restored.rebuilt else ""
+                print(f"ftmem: restored iteration {restored.version} from memory "
+                      f"(rank {self.snapshots.rank}, tag {restored.state['tag']}{how})", flush=True)
+        return self._restored
+
+    def _at_exit(self) -> None:
+        self.snapshots.close(job_finished=not self._crashed)
+
+
+def _tensors(obj) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []

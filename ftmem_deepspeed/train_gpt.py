@@ -1,0 +1,124 @@
+"""Train the small GPT with DeepSpeed, checkpointing with whatever engine the JSON
+config selects (ftmem with ``"checkpoint": {"engine": "ftmem"}``).
+
+    torchrun --nproc-per-node 3 -m ftmem_deepspeed.train_gpt --deepspeed-config configs/zero1.json \\
+        --save-dir ckpt --iters 20 [--load] [--out DIR]
+    deepspeed --num_gpus 3 ftmem_deepspeed/train_gpt.py ...   (same flags)
+
+A ``"pipeline": {"stages": S}`` section trains it as a DeepSpeed PipelineModule of S
+stages. It saves with ``engine.save_checkpoint`` after every step (``--save-interval``)
+and, with ``--load``, resumes with ``engine.load_checkpoint`` — the training script
+does not know which engine serves them. ``--out`` gets per-rank losses and final
+weights (for bitwise comparisons); ``--stop-after N`` waits, once step N's snapshot
+is protected, to be killed (for the crash tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import ftmem_deepspeed  # noqa: F401  (installs the "engine": "ftmem" selection)
+
+from .gpt import GPT, GPTConfig, Head, batch, layers, lm_loss
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m ftmem_deepspeed.train_gpt")
+    p.add_argument("--deepspeed-config", required=True)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--save-interval", type=int, default=1)
+    p.add_argument("--load", action="store_true", help="resume with engine.load_checkpoint(save_dir)")
+    p.add_argument("--out", default=None, help="write per-rank losses and final weights here")
+    p.add_argument("--stop-after", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--ftmem", default=None, help='JSON merged into the config\'s "ftmem" section')
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    return p.parse_args(argv)
+
+
+def load_config(args) -> dict:
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    if args.ftmem:
+        config.setdefault("ftmem", {}).update(json.loads(args.ftmem))
+    return config
+
+
+def final_weights(engine, zero_stage: int) -> dict:
+    """This rank's full parameters (gathered under ZeRO-3), for bitwise comparisons."""
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    if zero_stage == 3:
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {k: v.detach().clone() for k, v in params.items()}
+    return {k: v.detach().clone() for k, v in params.items()}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        # On CPU DeepSpeed JIT-compiles an inference-only shared-memory op (~90 s) at
+        # init; training does not use it.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    config = load_config(args)
+    cfg = GPTConfig(hidden=args.hidden, layers=args.layers, seq_len=args.seq_len)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    stages = (config.get("pipeline") or {}).get("stages", 1)
+    if stages > 1:
+        model = PipelineModule(layers=layers(cfg)[:-1] + [Head(cfg)], num_stages=stages, loss_fn=lm_loss,
+                               partition_method="uniform")
+    else:
+        model = GPT(cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    zero_stage = engine.zero_optimization_stage()
+    rank = torch.distributed.get_rank()
+    replica = engine.mpu.get_data_parallel_rank() if stages > 1 else torch.distributed.get_rank(
+        engine.data_parallel_group)
+    torch.manual_seed(99 + rank)  # per-rank dropout masks
+
+    start = 0
+    if args.load:
+        path, _ = engine.load_checkpoint(args.save_dir)
+        start = engine.global_steps if path else 0
+    losses = open(os.path.join(args.out, f"rank{rank}.losses.jsonl"), "a") if args.out else None
+    micro = engine.train_micro_batch_size_per_gpu()
+    for step in range(start, args.iters):
+        if stages > 1:
+            micro_batches = iter([batch(cfg, step * 100 + i, replica, micro)
+                                  for i in range(engine.gradient_accumulation_steps())])
+            loss = engine.train_batch(micro_batches)
+        else:
+            x, y = batch(cfg, step, replica, micro)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        if losses:
+            losses.write(json.dumps({"it": step, "loss": loss.item()}) + "\n")
+            losses.flush()
+        if (step + 1) % args.save_interval == 0:
+            engine.save_checkpoint(args.save_dir)
+        if step == args.stop_after:
+            engine.checkpoint_engine.wait_protected()
+            print(f"rank {rank}: stopped after step {step}; waiting to be killed", flush=True)
+            while True:
+                time.sleep(3600)
+    if args.out:
+        torch.save(final_weights(engine, zero_stage), os.path.join(args.out, f"rank{rank}.final.pt"))
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    main()
