@@ -8,7 +8,10 @@ version = the engine's global step; the copy runs in the background. The tensors
 live (views of DeepSpeed's flat buffers), so the next optimizer step waits for the
 copy first (see :func:`ftmem_deepspeed.install`). On disk only small stub files are
 written, so ``load_checkpoint``'s ``latest``/glob/exists checks keep working; its
-``load`` calls are then served from the restored snapshot.
+``load`` calls are then served from the restored snapshot. A stub also carries its
+file's tensor-free top-level entries (``mp_world_size``, ``global_steps``, ...):
+DeepSpeed reads those from files that other ranks hold (the pipeline engine checks
+the first stage's model-states file on every stage), never their tensors.
 """
 from __future__ import annotations
 
@@ -52,6 +55,11 @@ def set_rng_states(states: dict) -> None:
 def file_key(path: str) -> str:
     """A checkpoint file's name relative to the save dir: ``<tag>/<file>``."""
     return os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+
+
+def read_stub(path: str) -> dict:
+    with open(path, "rb") as f:
+        return pickle.loads(f.read()[len(STUB_MAGIC):])
 
 
 def is_stub(path: str) -> bool:
@@ -141,7 +149,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
             # DP replica: each replica keeps only its slice of them.
             for part in ("module", "optimizer") if self.zero_stage == 0 else ("module",):
                 self._replicated |= {id(t) for t in _tensors(state_dict.get(part))}
-        stub = pickle.dumps({"tag_file": key, "job": self.snapshots.identity.job})
+        metadata = {k: v for k, v in state_dict.items() if not _tensors(v)} if isinstance(state_dict, dict) else {}
+        stub = pickle.dumps({"tag_file": key, "job": self.snapshots.identity.job, "metadata": metadata})
         write_atomically(path, STUB_MAGIC.encode() + stub)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
@@ -158,6 +167,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
             return torch.load(path, map_location=map_location, weights_only=False)
         state = self._restore()
         key = file_key(path)
+        if state is not None and key not in state["files"] and state["tag"] == os.path.basename(os.path.dirname(path)):
+            return read_stub(path)["metadata"]  # another rank's file of the restored version
         if state is None or key not in state["files"]:
             raise FtmemError(
                 f"{path} is an ftmem stub and memory holds no version with it "

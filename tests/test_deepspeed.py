@@ -1,0 +1,89 @@
+"""The real DeepSpeed (CPU, gloo) checkpointing through ftmem: ranks SIGKILLed, a
+whole virtual node lost, the job resumed with load_checkpoint, bitwise equal to an
+uninterrupted run (per-step losses and final weights)."""
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import free_shm_dir, job_id, new_shm_dir
+from ftmem import jobs
+from ftmem.demo import read_losses
+from ftmem.launch import LocalJob
+
+ITERS, STOP, TIMEOUT = 6, 3, 300
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+class DSJob:
+    def __init__(self, config, world, shm_dir, root, ftmem=None):
+        self.world, self.shm_dir, self.job = world, shm_dir, job_id()
+        self.out, self.save_dir = os.path.join(root, "out"), os.path.join(root, "ckpt")
+        os.makedirs(self.out, exist_ok=True)
+        overrides = {"shm_dir": shm_dir, **(ftmem or {})}
+        self.args = ["--deepspeed-config", os.path.join(CONFIGS, config), "--save-dir", self.save_dir,
+                     "--iters", str(ITERS), "--out", self.out, "--ftmem", json.dumps(overrides)]
+
+    def start(self, *extra) -> LocalJob:
+        return LocalJob("ftmem_deepspeed.train_gpt", self.args + list(extra), self.world, self.job, self.out, env=ENV)
+
+    def run(self, *extra) -> list[int]:
+        return self.start(*extra).wait(TIMEOUT)
+
+    def log(self, rank) -> str:
+        return LocalJob.read_log(self.out, rank)
+
+
+def reference(config, world, root):
+    shm_dir = new_shm_dir()
+    try:
+        job = DSJob(config, world, shm_dir, root)
+        assert job.run() == [0] * world, job.log(0)[-5000:]
+        assert jobs.list_jobs(shm_dir) == []  # a clean end frees the job's memory
+    finally:
+        free_shm_dir(shm_dir)
+    return job.out
+
+
+def assert_bitwise(out, ref, world):
+    for rank in range(world):
+        got, want = read_losses(out, rank), read_losses(ref, rank)
+        assert [got[i] for i in range(ITERS)] == [want[i] for i in range(ITERS)]
+        mine = torch.load(os.path.join(out, f"rank{rank}.final.pt"))
+        theirs = torch.load(os.path.join(ref, f"rank{rank}.final.pt"))
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.parametrize("config, world, lost_node", [
+    ("zero1.json", 3, 1),
+    ("zero2.json", 3, 2),
+    ("zero3.json", 3, 0),
+    ("pipeline.json", 2, 0),  # 2 stages, one per virtual node, mirrored (k=1, m=1)
+])
+def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, shm_dir, tmp_path):
+    ref = reference(config, world, str(tmp_path / "reference"))
+    job = DSJob(config, world, shm_dir, str(tmp_path / "run"))
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    jobs.lose_node(shm_dir, job.job, lost_node)
+    assert job.run("--load") == [0] * world, job.log(0)[-5000:]
+    for rank in range(world):
+        rebuilt = ", rebuilt from parity" if rank == lost_node else ""
+        assert f"ftmem: restored iteration {STOP + 1} from memory (rank {rank}, tag global_step{STOP + 1}{rebuilt})" \
+            in job.log(rank)
+    assert_bitwise(job.out, ref, world)
+    assert jobs.list_jobs(shm_dir) == []
+
+
+@pytest.mark.parametrize("ftmem, message", [
+    ({"ranks_per_nod": 1}, "unknown key 'ranks_per_nod' in the \"ftmem\" config. Did you mean 'ranks_per_node'?"),
+    ({"ec": {"k": 3, "m": 1}}, "needs groups of 4 nodes, but the job has 3 node(s)"),
+])
+def test_bad_ftmem_section_fails_at_initialize_with_the_reason(ftmem, message, shm_dir, tmp_path):
+    job = DSJob("zero1.json", 3, shm_dir, str(tmp_path), ftmem=ftmem)
+    codes = job.run()
+    assert all(c != 0 for c in codes)
+    assert message in job.log(0)
