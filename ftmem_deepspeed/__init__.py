@@ -1,7 +1,8 @@
 """ftmem for DeepSpeed: ``import ftmem_deepspeed`` before ``deepspeed.initialize`` and
 set ``"checkpoint": {"engine": "ftmem"}`` in the JSON config.
 
-The import installs two small hooks (the patch in ``patches/`` makes both native):
+The import installs two small hooks (``patches/deepspeed-0.19.8-ftmem.patch`` makes
+both native, for those who keep a DeepSpeed fork; the import then changes nothing):
 
 * DeepSpeed imports ``create_checkpoint_engine`` by name into
   ``deepspeed.runtime.engine``; that name is wrapped so that ``"engine": "ftmem"``
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 
+import deepspeed.runtime.checkpoint_engine.utils as ds_utils
 import deepspeed.runtime.engine as ds_engine
 
 from .checkpoint_engine import FtmemCheckpointEngine
@@ -27,8 +29,8 @@ def selected(config_params) -> bool:
 
 
 def install() -> None:
-    """Install the hooks (idempotent)."""
-    if getattr(ds_engine.create_checkpoint_engine, "_ftmem", False):
+    """Install the hooks (idempotent; nothing to do on a DeepSpeed with the patch)."""
+    if getattr(ds_engine.create_checkpoint_engine, "_ftmem", False) or getattr(ds_utils, "FTMEM_NATIVE", False):
         return
     stock_factory = ds_engine.create_checkpoint_engine
 
