@@ -1,0 +1,151 @@
+"""``ftmem bench deepspeed``: DeepSpeed's default checkpoint engine against ftmem on
+the same model in one run — save_checkpoint blocking time and load_checkpoint time
+of a >= 50M-parameter GPT under ZeRO-1 on 2 ranks — and the iteration time of a
+smaller GPT saving with ftmem after every step against not saving at all.
+
+Each rank runs :func:`worker` (started by :func:`bench_deepspeed` through LocalJob);
+rank 0 prints the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from ftmem import jobs
+from ftmem.launch import LocalJob
+
+WORLD = 2
+BIG = {"hidden": 768, "layers": 8, "seq_len": 64}  # ~57M parameters
+SMALL = {"hidden": 256, "layers": 4, "seq_len": 64}
+
+
+def _config(ftmem: bool, shm_dir: str) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+    }
+    if ftmem:
+        config["checkpoint"] = {"engine": "ftmem"}
+        config["ftmem"] = {"ranks_per_node": 1, "shm_dir": shm_dir}
+    return config
+
+
+def worker(argv=None) -> None:
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see train_gpt
+    import deepspeed
+
+    import ftmem_deepspeed  # noqa: F401
+
+    from .gpt import GPT, GPTConfig, batch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--shm-dir", required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args(argv)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    figures = {}
+
+    def engine_for(shape: dict, ftmem: bool):
+        model = GPT(GPTConfig(**shape))
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_config(ftmem, args.shm_dir))
+        return engine, GPTConfig(**shape)
+
+    def train_step(engine, cfg, step):
+        x, y = batch(cfg, step, rank, 2)
+        engine.backward(engine(x, y))
+        engine.step()
+
+    def timed(fn) -> float:
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    # 1. save and restore of the big model, default engine then ftmem.
+    for name, ftmem in (("default", False), ("ftmem", True)):
+        engine, cfg = engine_for(BIG, ftmem)
+        figures["params"] = sum(p.numel() for p in engine.module.parameters())
+        ckpt = os.path.join(args.work, name)
+        saves = []
+        for step in range(3):
+            train_step(engine, cfg, step)
+            if ftmem:
+                # What the call itself blocks: the previous snapshot is protected by
+                # now whenever saves are at least a protection time apart.
+                engine.checkpoint_engine.wait_protected()
+            saves.append(timed(lambda: engine.save_checkpoint(ckpt)))
+        if ftmem:
+            engine.checkpoint_engine.wait_protected()
+            engine.checkpoint_engine.snapshots.close()  # keep the snapshots, as a crash would
+        figures[f"{name}_save_s"] = statistics.median(saves[1:])  # the first save allocates
+        engine, cfg = engine_for(BIG, ftmem)  # a "restarted" engine: restore into fresh state
+        figures[f"{name}_restore_s"] = timed(lambda: engine.load_checkpoint(ckpt))
+        if ftmem:
+            engine.checkpoint_engine.snapshots.close(job_finished=True)
+        del engine
+
+    # 2. iteration time of the smaller GPT: ftmem save every step vs no saves.
+    for name, save in (("nosave", False), ("save", True)):
+        engine, cfg = engine_for(SMALL, save)
+        times = []
+        for step in range(args.steps):
+            def one_step():
+                train_step(engine, cfg, step)
+                if save:
+                    engine.save_checkpoint(os.path.join(args.work, "every-step"))
+            times.append(timed(one_step))
+        figures[f"iter_{name}_s"] = statistics.median(times[2:])  # past warm-up and allocation
+        if save:
+            engine.checkpoint_engine.snapshots.close(job_finished=True)
+    if rank == 0:
+        print("FIGURES " + json.dumps(figures), flush=True)
+
+
+def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
+    work = tempfile.mkdtemp(prefix="ftmem-bench-ds-", dir=os.getcwd())
+    job = f"bench-ds-{os.getpid()}"
+    try:
+        codes = LocalJob("ftmem_deepspeed.bench", ["--work", work, "--shm-dir", shm_dir], WORLD, job,
+                         os.path.join(work, "logs"), env={"DS_ACCELERATOR": "cpu"}).wait(1800)
+        log = LocalJob.read_log(os.path.join(work, "logs"), 0)
+        line = next((ln for ln in log.splitlines() if ln.startswith("FIGURES ")), None)
+        if codes != [0] * WORLD or line is None:
+            raise RuntimeError(f"the DeepSpeed benchmark failed (exit codes {codes}):\n{log[-4000:]}")
+    finally:
+        jobs.clean(shm_dir, job)
+        shutil.rmtree(work, ignore_errors=True)
+    f = json.loads(line[len("FIGURES "):])
+    result = {
+        "default_save_s": f["default_save_s"], "ftmem_save_s": f["ftmem_save_s"],
+        "default_restore_s": f["default_restore_s"], "ftmem_restore_s": f["ftmem_restore_s"],
+        "save_vs_default_x": f["default_save_s"] / f["ftmem_save_s"],
+        "iter_nosave_s": f["iter_nosave_s"], "iter_save_every_step_s": f["iter_save_s"],
+        "iter_overhead_x": f["iter_save_s"] / f["iter_nosave_s"],
+    }
+    print(f"GPT of {f['params'] / 1e6:.1f}M parameters, ZeRO-1, {WORLD} ranks (CPU, gloo):")
+    print(f"  save_checkpoint blocks   default {result['default_save_s']:.3f} s   ftmem {result['ftmem_save_s']:.3f} s"
+          f"   ({result['save_vs_default_x']:.0f}x less, target >= 20x)")
+    print(f"  load_checkpoint          default {result['default_restore_s']:.3f} s   "
+          f"ftmem {result['ftmem_restore_s']:.3f} s")
+    print(f"smaller GPT ({SMALL}): iteration {result['iter_nosave_s'] * 1e3:.1f} ms without saves, "
+          f"{result['iter_save_every_step_s'] * 1e3:.1f} ms with an ftmem save every step "
+          f"({(result['iter_overhead_x'] - 1) * 100:+.1f}%, target <= +10%)")
+    print("RESULT " + " ".join(f"{k}={v:.6g}" for k, v in result.items()))
+    return result
+
+
+if __name__ == "__main__":
+    worker()
