@@ -48,10 +48,6 @@ def _cmd_bench(args) -> int:
         from .bench_save import bench_save
 
         bench_save(total_mb=args.mb or 500, repeat=args.repeat, shm_dir=args.shm_dir)
-    elif args.what == "deepspeed":
-        from ftmem_deepspeed.bench import bench_deepspeed
-
-        bench_deepspeed(shm_dir=args.shm_dir)
     else:
         from .bench_ec import bench_ec
 
@@ -112,10 +108,10 @@ def main(argv=None) -> int:
     p.add_argument("--job", help="the job (default: FTMEM_JOB_ID or TORCHELASTIC_RUN_ID)")
     p.add_argument("--all", action="store_true", help="every ftmem job in the shared-memory directory")
     p = add("bench", "benchmarks; each ends with a RESULT line", _cmd_bench)
-    p.add_argument("what", choices=["save", "ec", "deepspeed"],
+    p.add_argument("what", choices=["save", "ec"],
                    help="save: blocking and copy time of a save vs torch.save and memcpy; "
-                        "ec: coding throughput per core vs memcpy, time to protection, memory overhead; "
-                        "deepspeed: save/restore vs DeepSpeed's default engine, iteration overhead")
+                        "ec: coding throughput per core vs memcpy, time to protection, memory overhead "
+                        "(DeepSpeed: python -m ftmem_deepspeed.bench)")
     p.add_argument("--mb", type=int, default=None,
                    help="state size in MiB (save: default 500; ec: per node, default 1024)")
     p.add_argument("--repeat", type=int, default=5, help="save: timed saves")

@@ -1,10 +1,10 @@
-"""``ftmem bench deepspeed``: DeepSpeed's default checkpoint engine against ftmem on
+"""``python -m ftmem_deepspeed.bench``: DeepSpeed's default checkpoint engine against ftmem on
 the same model in one run — save_checkpoint blocking time and load_checkpoint time
 of a >= 50M-parameter GPT under ZeRO-1 on 2 ranks — and the iteration time of a
 smaller GPT saving with ftmem after every step against not saving at all.
 
-Each rank runs :func:`worker` (started by :func:`bench_deepspeed` through LocalJob);
-rank 0 prints the figures.
+Run without arguments it starts the two ranks (LocalJob), each running
+:func:`worker` (``--worker``); rank 0 prints the figures.
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ def worker(argv=None) -> None:
     from .gpt import GPT, GPTConfig, batch
 
     parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
     parser.add_argument("--work", required=True)
     parser.add_argument("--shm-dir", required=True)
     parser.add_argument("--steps", type=int, default=12)
@@ -118,7 +119,7 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
     work = tempfile.mkdtemp(prefix="ftmem-bench-ds-", dir=os.getcwd())
     job = f"bench-ds-{os.getpid()}"
     try:
-        codes = LocalJob("ftmem_deepspeed.bench", ["--work", work, "--shm-dir", shm_dir], WORLD, job,
+        codes = LocalJob("ftmem_deepspeed.bench", ["--worker", "--work", work, "--shm-dir", shm_dir], WORLD, job,
                          os.path.join(work, "logs"), env={"DS_ACCELERATOR": "cpu"}).wait(1800)
         log = LocalJob.read_log(os.path.join(work, "logs"), 0)
         line = next((ln for ln in log.splitlines() if ln.startswith("FIGURES ")), None)
@@ -148,4 +149,11 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
 
 
 if __name__ == "__main__":
-    worker()
+    import sys
+
+    if "--worker" in sys.argv:
+        worker()
+    else:
+        parser = argparse.ArgumentParser(prog="python -m ftmem_deepspeed.bench", description=__doc__.splitlines()[0])
+        parser.add_argument("--shm-dir", default="/dev/shm")
+        bench_deepspeed(parser.parse_args().shm_dir)

@@ -3,6 +3,8 @@ whole virtual node lost, the job resumed with load_checkpoint, bitwise equal to 
 uninterrupted run (per-step losses and final weights)."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -87,3 +89,13 @@ def test_bad_ftmem_section_fails_at_initialize_with_the_reason(ftmem, message, s
     codes = job.run()
     assert all(c != 0 for c in codes)
     assert message in job.log(0)
+
+
+def test_make_demo_succeeds(shm_dir):
+    """What `make demo` runs: a DeepSpeed job loses a node and resumes bitwise."""
+    out = subprocess.run([sys.executable, "-m", "ftmem_deepspeed.demo", shm_dir], capture_output=True, text=True,
+                         timeout=900, env=dict(os.environ, **ENV))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "rebuilt from parity); losses of all 12 steps and final weights bitwise equal to the reference: True" \
+        in out.stdout
+    assert out.stdout.rstrip().endswith("SUCCESS")
