@@ -85,14 +85,19 @@ def main(argv=None) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     zero_stage = engine.zero_optimization_stage()
     rank = torch.distributed.get_rank()
+    print(f"rank {rank}: ZeRO stage {zero_stage}, optimizer {type(engine.optimizer).__name__}, "
+          f"checkpoint engine {type(engine.checkpoint_engine).__name__}", flush=True)
     replica = engine.mpu.get_data_parallel_rank() if stages > 1 else torch.distributed.get_rank(
         engine.data_parallel_group)
     torch.manual_seed(99 + rank)  # per-rank dropout masks
 
     start = 0
     if args.load:
-        path, _ = engine.load_checkpoint(args.save_dir)
-        start = engine.global_steps if path else 0
+        path, client_state = engine.load_checkpoint(args.save_dir)
+        if path:
+            start = client_state["next_step"]
+            print(f"rank {rank}: resuming at step {start} (client_state), global step {engine.global_steps}",
+                  flush=True)
     losses = open(os.path.join(args.out, f"rank{rank}.losses.jsonl"), "a") if args.out else None
     micro = engine.train_micro_batch_size_per_gpu()
     for step in range(start, args.iters):
@@ -109,7 +114,7 @@ def main(argv=None) -> None:
             losses.write(json.dumps({"it": step, "loss": loss.item()}) + "\n")
             losses.flush()
         if (step + 1) % args.save_interval == 0:
-            engine.save_checkpoint(args.save_dir)
+            engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1})
         if step == args.stop_after:
             engine.checkpoint_engine.wait_protected()
             print(f"rank {rank}: stopped after step {step}; waiting to be killed", flush=True)

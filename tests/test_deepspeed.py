@@ -62,6 +62,7 @@ def assert_bitwise(out, ref, world):
     ("zero1.json", 3, 1),
     ("zero2.json", 3, 2),
     ("zero3.json", 3, 0),
+    ("zero1-bf16.json", 3, 1),  # bf16: DeepSpeed's BF16_Optimizer wrapper
     ("pipeline.json", 2, 0),  # 2 stages, one per virtual node, mirrored (k=1, m=1)
 ])
 def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, shm_dir, tmp_path):
@@ -72,10 +73,14 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, shm_dir
         run.kill_all()
     jobs.lose_node(shm_dir, job.job, lost_node)
     assert job.run("--load") == [0] * world, job.log(0)[-5000:]
+    assert "checkpoint engine FtmemCheckpointEngine" in job.log(0)
+    if "bf16" in config:
+        assert "optimizer BF16_Optimizer" in job.log(0)
     for rank in range(world):
         rebuilt = ", rebuilt from parity" if rank == lost_node else ""
         assert f"ftmem: restored iteration {STOP + 1} from memory (rank {rank}, tag global_step{STOP + 1}{rebuilt})" \
             in job.log(rank)
+        assert f"rank {rank}: resuming at step {STOP + 1} (client_state)" in job.log(rank)
     assert_bitwise(job.out, ref, world)
     assert jobs.list_jobs(shm_dir) == []
 
