@@ -12,7 +12,7 @@ import torch
 from conftest import free_shm_dir, job_id, new_shm_dir
 from ftmem import jobs
 from ftmem.demo import read_losses
-from ftmem.launch import LocalJob
+from ftmem.launch import LocalJob, free_port
 
 ITERS, STOP, TIMEOUT = 6, 3, 300
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -38,10 +38,10 @@ class DSJob:
         return LocalJob.read_log(self.out, rank)
 
 
-def reference(config, world, root):
+def reference(config, world, root, ftmem=None):
     shm_dir = new_shm_dir()
     try:
-        job = DSJob(config, world, shm_dir, root)
+        job = DSJob(config, world, shm_dir, root, ftmem=ftmem)
         assert job.run() == [0] * world, job.log(0)[-5000:]
         assert jobs.list_jobs(shm_dir) == []  # a clean end frees the job's memory
     finally:
@@ -59,6 +59,7 @@ def assert_bitwise(out, ref, world):
 
 
 @pytest.mark.parametrize("config, world, lost_node", [
+    ("zero0.json", 3, 2),  # no ZeRO: the optimizer state is replicated too, and DP-sharded
     ("zero1.json", 3, 1),
     ("zero2.json", 3, 2),
     ("zero3.json", 3, 0),
@@ -104,3 +105,18 @@ def test_make_demo_succeeds(shm_dir):
     assert "rebuilt from parity); losses of all 12 steps and final weights bitwise equal to the reference: True" \
         in out.stdout
     assert out.stdout.rstrip().endswith("SUCCESS")
+
+
+def test_runs_under_the_deepspeed_launcher(shm_dir, tmp_path):
+    """No special launcher: under `deepspeed` the ranks start their SMPs themselves."""
+    mirror = {"ec": {"k": 1, "m": 1}}
+    ref = reference("zero1.json", 2, str(tmp_path / "reference"), ftmem=mirror)
+    job = DSJob("zero1.json", 2, shm_dir, str(tmp_path / "run"), ftmem=mirror)
+    env = dict(os.environ, FTMEM_JOB_ID=job.job, OMP_NUM_THREADS="1", **ENV)
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
+                          "--master_port", str(free_port()), "--module", "ftmem_deepspeed.train_gpt", *job.args],
+                         env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert out.stdout.count("checkpoint engine FtmemCheckpointEngine") == 2
+    assert_bitwise(job.out, ref, 2)
+    assert jobs.list_jobs(shm_dir) == []
