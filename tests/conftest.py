@@ -62,3 +62,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def job_id() -> str:
     return "t-" + uuid.uuid4().hex[:8]
+
+
+def flip_byte(path: str, offset: int) -> None:
+    """Corrupt one byte of a file in place, as a bad DIMM or a stray write would."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

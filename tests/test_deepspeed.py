@@ -7,12 +7,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import free_shm_dir, job_id, new_shm_dir
 from ftmem import jobs
-from ftmem.demo import read_losses
 from ftmem.launch import LocalJob, free_port
+from trainjob import assert_same_training
 
 ITERS, STOP, TIMEOUT = 6, 3, 300
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -49,14 +48,6 @@ def reference(config, world, root, ftmem=None):
     return job.out
 
 
-def assert_bitwise(out, ref, world):
-    for rank in range(world):
-        got, want = read_losses(out, rank), read_losses(ref, rank)
-        assert [got[i] for i in range(ITERS)] == [want[i] for i in range(ITERS)]
-        mine = torch.load(os.path.join(out, f"rank{rank}.final.pt"))
-        theirs = torch.load(os.path.join(ref, f"rank{rank}.final.pt"))
-        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
-
 
 @pytest.mark.parametrize("config, world, lost_node", [
     ("zero0.json", 3, 2),  # no ZeRO: the optimizer state is replicated too, and DP-sharded
@@ -82,7 +73,7 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, shm_dir
         assert f"ftmem: restored iteration {STOP + 1} from memory (rank {rank}, tag global_step{STOP + 1}{rebuilt})" \
             in job.log(rank)
         assert f"rank {rank}: resuming at step {STOP + 1} (client_state)" in job.log(rank)
-    assert_bitwise(job.out, ref, world)
+    assert_same_training(job.out, ref, world, ITERS)
     assert jobs.list_jobs(shm_dir) == []
 
 
@@ -118,5 +109,5 @@ def test_runs_under_the_deepspeed_launcher(shm_dir, tmp_path):
                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert out.stdout.count("checkpoint engine FtmemCheckpointEngine") == 2
-    assert_bitwise(job.out, ref, 2)
+    assert_same_training(job.out, ref, 2, ITERS)
     assert jobs.list_jobs(shm_dir) == []

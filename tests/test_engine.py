@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import job_id, run_cli
+from conftest import flip_byte, job_id, run_cli
 from ftmem import (ConfigError, CorruptShard, LayoutMismatch, NoRecoverableVersion, ParallelLayout, ShmBudgetError,
                    SnapshotEngine)
 from ftmem.procs import pid_alive
@@ -149,13 +149,6 @@ def test_saving_an_older_version_drops_the_abandoned_newer_ones(shm_dir):
     assert engine.versions() == [3]
     engine.close(job_finished=True)
 
-
-def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def test_a_flipped_byte_is_detected_and_never_returned(shm_dir, caplog):

@@ -4,6 +4,7 @@ import pytest
 
 from ftmem.launch import wait_until
 from ftmem.slots import PARITY, RankStore
+from conftest import flip_byte
 from trainjob import TrainJob, reference_run
 
 
@@ -18,13 +19,6 @@ def references(tmp_path_factory):
         return cache[world]
     return get
 
-
-def flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def sealed(store, version):
