@@ -108,13 +108,17 @@ def shard_bytes(slot_bytes: torch.Tensor, plan: SnapshotPlan) -> torch.Tensor:
 
 def read_from_slot(slot_bytes: torch.Tensor, plan: SnapshotPlan, device: torch.device,
                    stream: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    """Fresh tensors (not views of shared memory) rebuilt on ``device`` from a slot and,
-    for replicated entries, from the whole replicated ``stream`` gathered from the replicas."""
+    """Tensors rebuilt on ``device``, never views of shared memory: unique entries are
+    copied out of the slot; replicated entries are views of the ``stream`` gathered from
+    the replicas (private memory already, so not copied again on the CPU)."""
     out = []
     for entry in plan.entries:
-        t = torch.empty(entry.shape, dtype=entry.dtype, device=device)
-        if entry.nbytes:
-            t.copy_(slot_view(stream if entry.replicated else slot_bytes, entry))
+        if entry.replicated and device.type == "cpu":
+            t = slot_view(stream, entry)
+        else:
+            t = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+            if entry.nbytes:
+                t.copy_(slot_view(stream if entry.replicated else slot_bytes, entry))
         if entry.is_parameter:
             t = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
         elif entry.requires_grad:
