@@ -11,6 +11,7 @@ import pytest
 from conftest import free_shm_dir, job_id, new_shm_dir
 from ftmem import jobs
 from ftmem.launch import LocalJob, free_port
+from ftmem_deepspeed.checkpoint_engine import is_stub
 from trainjob import assert_same_training
 
 ITERS, STOP, TIMEOUT = 6, 3, 300
@@ -111,3 +112,21 @@ def test_runs_under_the_deepspeed_launcher(shm_dir, tmp_path):
     assert out.stdout.count("checkpoint engine FtmemCheckpointEngine") == 2
     assert_same_training(job.out, ref, 2, ITERS)
     assert jobs.list_jobs(shm_dir) == []
+
+
+def test_resumes_from_checkpoints_of_the_default_engine(shm_dir, tmp_path):
+    """Switching a job to ftmem: files the default engine wrote load as stock DeepSpeed loads them."""
+    mirror = {"ec": {"k": 1, "m": 1}}
+    default = DSJob("zero1.json", 2, shm_dir, str(tmp_path), ftmem=mirror)
+    stock_config = json.load(open(os.path.join(CONFIGS, "zero1.json")))
+    del stock_config["checkpoint"]
+    (tmp_path / "stock.json").write_text(json.dumps(stock_config))
+    default.args[1] = str(tmp_path / "stock.json")
+    default.args[default.args.index("--iters") + 1] = "3"
+    assert default.run() == [0, 0], default.log(0)[-4000:]
+    assert not any(is_stub(str(p)) for p in (tmp_path / "ckpt" / "global_step3").iterdir())
+    switched = DSJob("zero1.json", 2, shm_dir, str(tmp_path), ftmem=mirror)
+    assert switched.run("--load") == [0, 0], switched.log(0)[-4000:]
+    assert "rank 0: resuming at step 3 (client_state)" in switched.log(0)
+    assert "checkpoint engine FtmemCheckpointEngine" in switched.log(0)
+    assert "from memory" not in switched.log(0)
