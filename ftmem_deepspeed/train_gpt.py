@@ -5,8 +5,10 @@ config selects (ftmem with ``"checkpoint": {"engine": "ftmem"}``).
         --save-dir ckpt --iters 20 [--load] [--out DIR]
     deepspeed --num_gpus 3 ftmem_deepspeed/train_gpt.py ...   (same flags)
 
-A ``"pipeline": {"stages": S}`` section trains it as a DeepSpeed PipelineModule of S
-stages. It saves with ``engine.save_checkpoint`` after every step (``--save-interval``)
+A ``"pipeline": {"stages": S, "model_parallel": M}`` section trains it as a DeepSpeed
+PipelineModule of S stages on a pipe x data x model grid, which becomes DeepSpeed's
+mpu (the model axis replicates the layers: the GPT has no tensor-parallel layers, but
+checkpoint files and groups are those of a model-parallel job). It saves with ``engine.save_checkpoint`` after every step (``--save-interval``)
 and, with ``--load``, resumes with ``engine.load_checkpoint`` — the training script
 does not know which engine serves them. ``--out`` gets per-rank losses and final
 weights (for bitwise comparisons); ``--stop-after N`` waits, once step N's snapshot
@@ -72,13 +74,19 @@ def main(argv=None) -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     import deepspeed
     from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     config = load_config(args)
     cfg = GPTConfig(hidden=args.hidden, layers=args.layers, seq_len=args.seq_len)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    stages = (config.get("pipeline") or {}).get("stages", 1)
-    if stages > 1:
-        model = PipelineModule(layers=layers(cfg)[:-1] + [Head(cfg)], num_stages=stages, loss_fn=lm_loss,
+    pipeline = config.get("pipeline") or {}
+    stages, model_parallel = pipeline.get("stages", 1), pipeline.get("model_parallel", 1)
+    if stages > 1 or model_parallel > 1:
+        # A DeepSpeed PipelineModule whose grid is the job's mpu (pipe x data x model axes).
+        world = torch.distributed.get_world_size()
+        topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=model_parallel,
+                                                 num_dp=world // (stages * model_parallel))
+        model = PipelineModule(layers=layers(cfg)[:-1] + [Head(cfg)], topology=topology, loss_fn=lm_loss,
                                partition_method="uniform")
     else:
         model = GPT(cfg)
@@ -87,8 +95,8 @@ def main(argv=None) -> None:
     rank = torch.distributed.get_rank()
     print(f"rank {rank}: ZeRO stage {zero_stage}, optimizer {type(engine.optimizer).__name__}, "
           f"checkpoint engine {type(engine.checkpoint_engine).__name__}", flush=True)
-    replica = engine.mpu.get_data_parallel_rank() if stages > 1 else torch.distributed.get_rank(
-        engine.data_parallel_group)
+    piped = stages > 1 or model_parallel > 1
+    replica = engine.mpu.get_data_parallel_rank() if piped else torch.distributed.get_rank(engine.data_parallel_group)
     torch.manual_seed(99 + rank)  # per-rank dropout masks
 
     start = 0
@@ -101,7 +109,7 @@ def main(argv=None) -> None:
     losses = open(os.path.join(args.out, f"rank{rank}.losses.jsonl"), "a") if args.out else None
     micro = engine.train_micro_batch_size_per_gpu()
     for step in range(start, args.iters):
-        if stages > 1:
+        if piped:
             micro_batches = iter([batch(cfg, step * 100 + i, replica, micro)
                                   for i in range(engine.gradient_accumulation_steps())])
             loss = engine.train_batch(micro_batches)

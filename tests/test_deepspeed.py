@@ -57,6 +57,7 @@ def reference(config, world, root, ftmem=None):
     ("zero3.json", 3, 0),
     ("zero1-bf16.json", 3, 1),  # bf16: DeepSpeed's BF16_Optimizer wrapper
     ("pipeline.json", 2, 0),  # 2 stages, one per virtual node, mirrored (k=1, m=1)
+    ("model-parallel.json", 2, 1),  # a model axis of 2 in DeepSpeed's mpu grid, mirrored
 ])
 def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, shm_dir, tmp_path):
     ref = reference(config, world, str(tmp_path / "reference"))
