@@ -95,6 +95,10 @@ def apply_map_location(obj: Any, map_location) -> Any:
     return obj
 
 
+def _is_layer_file(key: str) -> bool:
+    return os.path.basename(key).startswith("layer_")
+
+
 def _layout(zero_stage: int) -> ParallelLayout:
     """The job's DP groups as DeepSpeed formed them (sequence-DP included); collective."""
     from deepspeed.utils import groups
@@ -118,7 +122,16 @@ class FtmemCheckpointEngine(CheckpointEngine):
         section = (getattr(config_params, "_param_dict", None) or {}).get("ftmem")
         self.config = FtmemConfig.from_dict(section)
         self.zero_stage = zero_stage
-        self.snapshots = SnapshotEngine(self.config, layout=_layout(zero_stage))
+        layout = _layout(zero_stage)
+        self.snapshots = SnapshotEngine(self.config, layout=layout)
+        # A gloo group per DP group (collective creation), to hand pipeline layer files to
+        # the replicas that did not write them.
+        self._dp_ranks = layout.dp_group_of(dist.get_rank())
+        self._dp_pg = None
+        for group in layout.dp_groups:
+            pg = dist.new_group(ranks=sorted(group), backend="gloo")
+            if dist.get_rank() in group:
+                self._dp_pg = pg
         self._files: dict[str, Any] = {}
         self._replicated: set[int] = set()
         self._handle = None
@@ -210,11 +223,24 @@ class FtmemCheckpointEngine(CheckpointEngine):
             restored = self.snapshots.restore()
             if restored is not None:
                 self._restored = restored.state
+                self._share_layer_files(restored.state["files"])
                 set_rng_states(restored.state["rng"])
                 how = ", rebuilt from parity" if restored.rebuilt else ""
                 print(f"ftmem: restored iteration {restored.version} from memory "
                       f"(rank {self.snapshots.rank}, tag {restored.state['tag']}{how})", flush=True)
         return self._restored
+
+    def _share_layer_files(self, files: dict) -> None:
+        """The pipeline engine writes a stage's layer files from its first DP replica only,
+        but every replica loads them: that replica sends them to the others (collective
+        over the DP group, at restore only)."""
+        if len(self._dp_ranks) == 1:
+            return
+        source = self._dp_ranks[0]
+        shared = [{k: v for k, v in files.items() if _is_layer_file(k)} if dist.get_rank() == source else None]
+        dist.broadcast_object_list(shared, src=source, group=self._dp_pg)
+        for key, state_dict in shared[0].items():
+            files.setdefault(key, state_dict)
 
     def _at_exit(self) -> None:
         self.snapshots.close(job_finished=not self._crashed)

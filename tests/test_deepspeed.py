@@ -50,18 +50,19 @@ def reference(config, world, root, ftmem=None):
 
 
 
-@pytest.mark.parametrize("config, world, lost_node", [
-    ("zero0.json", 3, 2),  # no ZeRO: the optimizer state is replicated too, and DP-sharded
-    ("zero1.json", 3, 1),
-    ("zero2.json", 3, 2),
-    ("zero3.json", 3, 0),
-    ("zero1-bf16.json", 3, 1),  # bf16: DeepSpeed's BF16_Optimizer wrapper
-    ("pipeline.json", 2, 0),  # 2 stages, one per virtual node, mirrored (k=1, m=1)
-    ("model-parallel.json", 2, 1),  # a model axis of 2 in DeepSpeed's mpu grid, mirrored
+@pytest.mark.parametrize("config, world, lost_node, ftmem", [
+    ("zero0.json", 3, 2, None),  # no ZeRO: the optimizer state is replicated too, and DP-sharded
+    ("zero1.json", 3, 1, None),
+    ("zero2.json", 3, 2, None),
+    ("zero3.json", 3, 0, None),
+    ("zero1-bf16.json", 3, 1, None),  # bf16: DeepSpeed's BF16_Optimizer wrapper
+    # 2 stages x 3 DP replicas, 2 ranks on each of 3 virtual nodes, k=2, m=1
+    ("pipeline.json", 6, 1, {"ranks_per_node": 2, "ec": {"k": 2, "m": 1}}),
+    ("model-parallel.json", 2, 1, None),  # a model axis of 2 in DeepSpeed's mpu grid, mirrored
 ])
-def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, shm_dir, tmp_path):
-    ref = reference(config, world, str(tmp_path / "reference"))
-    job = DSJob(config, world, shm_dir, str(tmp_path / "run"))
+def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, shm_dir, tmp_path):
+    ref = reference(config, world, str(tmp_path / "reference"), ftmem=ftmem)
+    job = DSJob(config, world, shm_dir, str(tmp_path / "run"), ftmem=ftmem)
     with job.start("--stop-after", str(STOP)) as run:
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
         run.kill_all()
@@ -70,8 +71,9 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, shm_dir
     assert "checkpoint engine FtmemCheckpointEngine" in job.log(0)
     if "bf16" in config:
         assert "optimizer BF16_Optimizer" in job.log(0)
+    lost_ranks = {r for r in range(world) if r // (ftmem or {}).get("ranks_per_node", 1) == lost_node}
     for rank in range(world):
-        rebuilt = ", rebuilt from parity" if rank == lost_node else ""
+        rebuilt = ", rebuilt from parity" if rank in lost_ranks else ""
         assert f"ftmem: restored iteration {STOP + 1} from memory (rank {rank}, tag global_step{STOP + 1}{rebuilt})" \
             in job.log(rank)
         assert f"rank {rank}: resuming at step {STOP + 1} (client_state)" in job.log(rank)
