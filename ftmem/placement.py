@@ -61,7 +61,3 @@ def ec_groups(num_nodes: int, k: int, m: int) -> list[ECGroup]:
     for i, node in enumerate(range(len(members) * n, num_nodes)):
         members[i % len(members)].append(node)
     return [ECGroup(nodes=tuple(sorted(g)), m=m) for g in members]
-
-
-def group_of(groups: list[ECGroup], node: int) -> ECGroup:
-    return next(g for g in groups if node in g.nodes)
