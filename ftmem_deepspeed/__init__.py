@@ -18,14 +18,9 @@ import functools
 import deepspeed.runtime.checkpoint_engine.utils as ds_utils
 import deepspeed.runtime.engine as ds_engine
 
+from ftmem_guard import selects_ftmem
+
 from .checkpoint_engine import FtmemCheckpointEngine
-
-ENGINE_NAME = "ftmem"
-
-
-def selected(config_params) -> bool:
-    checkpoint = (getattr(config_params, "_param_dict", None) or {}).get("checkpoint") or {}
-    return checkpoint.get("engine") == ENGINE_NAME
 
 
 def install() -> None:
@@ -36,7 +31,7 @@ def install() -> None:
 
     @functools.wraps(stock_factory)
     def create_checkpoint_engine(config_params, groups, zero_stage, has_moe_layers, optimize_dp_state):
-        if selected(config_params):
+        if selects_ftmem(config_params):
             return FtmemCheckpointEngine(config_params, zero_stage=zero_stage)
         return stock_factory(config_params, groups, zero_stage, has_moe_layers, optimize_dp_state)
 
@@ -56,4 +51,4 @@ def install() -> None:
 
 install()
 
-__all__ = ["FtmemCheckpointEngine", "install", "selected"]
+__all__ = ["FtmemCheckpointEngine", "install"]

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -90,6 +91,27 @@ def test_bad_ftmem_section_fails_at_initialize_with_the_reason(ftmem, message, s
     codes = job.run()
     assert all(c != 0 for c in codes)
     assert message in job.log(0)
+
+
+def test_ftmem_selected_without_the_import_is_refused_with_the_fix(shm_dir, tmp_path):
+    """Stock DeepSpeed would ignore the unknown engine name and save with torch.save."""
+    script = textwrap.dedent(f"""
+        import deepspeed.ops
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        import deepspeed, torch
+        deepspeed.init_distributed(dist_backend="gloo")
+        config = {{"train_batch_size": 1, "optimizer": {{"type": "Adam", "params": {{"torch_adam": True}}}},
+                  "checkpoint": {{"engine": "ftmem"}}, "ftmem": {{"shm_dir": {shm_dir!r}}}}}
+        model = torch.nn.Linear(4, 4)
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    """)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode != 0
+    assert "FtmemNotInstalled" in out.stderr
+    assert "Add `import ftmem_deepspeed` to the training script before deepspeed.initialize" in out.stderr
+    assert jobs.list_jobs(shm_dir) == []
 
 
 def test_make_demo_succeeds(shm_dir):
