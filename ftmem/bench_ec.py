@@ -21,7 +21,7 @@ from . import jobs
 from .codec import Codec
 from .engine import SnapshotEngine
 from .launch import LocalJob
-from .slots import DATA, PARITY, RankStore
+from .slots import DATA, PARITY
 
 PIECE_MB = 64
 REPEAT = 3

@@ -35,7 +35,7 @@ from .parallel import ParallelLayout, make_dp_groups
 from .placement import ec_groups
 from .protect import ColumnCoder, Topology, make_column_groups, piece_size, plan_recovery, with_slot
 from .serialize import join_state, split_state
-from .slots import DATA, NUM_SLOTS, PARITY, CommitRecord, RankStore
+from .slots import DATA, PARITY, CommitRecord, RankStore
 from .smp_client import SmpClient
 
 log = logging.getLogger("ftmem")

@@ -2,7 +2,6 @@
 not reaped it yet still answers ``kill(pid, 0)``)."""
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 

@@ -15,41 +15,21 @@ the first stage's model-states file on every stage), never their tensors.
 """
 from __future__ import annotations
 
-import atexit
-import logging
 import os
 import pickle
-import random
-import sys
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from ftmem import FtmemConfig, ParallelLayout, SnapshotEngine
 from ftmem.errors import FtmemError
+from ftmem.lifecycle import close_at_exit
+from ftmem.rng import rng_states, set_rng_states
 from ftmem.slots import write_atomically
 
-log = logging.getLogger("ftmem")
-
 STUB_MAGIC = "ftmem in-memory checkpoint stub"
-
-
-def rng_states() -> dict:
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def file_key(path: str) -> str:
@@ -137,14 +117,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._handle = None
         self._restored: Optional[dict] = None
         self._restore_tried = False
-        self._crashed = False
-        previous_hook = sys.excepthook
-
-        def note_crash(*exc_info):  # an exception exit is no clean end of the job
-            self._crashed = True
-            previous_hook(*exc_info)
-        sys.excepthook = note_crash
-        atexit.register(self._at_exit)
+        close_at_exit(self.snapshots)
 
     # -- DeepSpeed's interface ----------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -241,9 +214,6 @@ class FtmemCheckpointEngine(CheckpointEngine):
         dist.broadcast_object_list(shared, src=source, group=self._dp_pg)
         for key, state_dict in shared[0].items():
             files.setdefault(key, state_dict)
-
-    def _at_exit(self) -> None:
-        self.snapshots.close(job_finished=not self._crashed)
 
 
 def _tensors(obj) -> list:
