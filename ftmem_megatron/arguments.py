@@ -1,0 +1,108 @@
+"""The ``--ftmem-*`` flags (DESIGN.md §5) and their validation together with Megatron's
+``--non-persistent-ckpt-type in_memory`` and ``--non-persistent-save-interval``.
+
+``add_ftmem_args`` has the signature of Megatron-LM's ``extra_args_provider``; the
+patch in ``patches/`` and :mod:`ftmem_megatron.pretrain_gpt` call it too. Call
+``validate_ftmem_args(args)`` once ``args.world_size`` is set.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ftmem import FtmemConfig
+from ftmem.config import DP_SHARD_CHOICES
+from ftmem.errors import ConfigError
+
+# Megatron-LM's non-persistent checkpoint types; ftmem implements "in_memory".
+NON_PERSISTENT_TYPES = ("global", "local", "in_memory")
+IN_MEMORY = "in_memory"
+
+# (flag, dest, FtmemConfig field) of every --ftmem-* flag that configures the engine.
+FTMEM_FLAGS = (
+    ("--ftmem-ec-k", "ftmem_ec_k", "ec.k"),
+    ("--ftmem-ec-m", "ftmem_ec_m", "ec.m"),
+    ("--ftmem-ranks-per-node", "ftmem_ranks_per_node", "ranks_per_node"),
+    ("--ftmem-shm-dir", "ftmem_shm_dir", "shm_dir"),
+    ("--ftmem-dp-shard", "ftmem_dp_shard", "dp_shard"),
+    ("--ftmem-job-id", "ftmem_job_id", "job_id"),
+)
+
+
+def add_ftmem_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("ftmem", "in-memory, erasure-coded checkpoints "
+                                               "(--non-persistent-ckpt-type in_memory)")
+    group.add_argument("--ftmem-ec-k", type=int, default=None,
+                       help="data nodes per erasure-coding group (default: min(2, nodes - 1))")
+    group.add_argument("--ftmem-ec-m", type=int, default=None,
+                       help="parity nodes per group: the node losses a group survives (default: 1)")
+    group.add_argument("--ftmem-ranks-per-node", type=int, default=None,
+                       help="ranks per node (default: the launcher's LOCAL_WORLD_SIZE)")
+    group.add_argument("--ftmem-shm-dir", default=None, help="shared-memory directory (default: /dev/shm)")
+    group.add_argument("--ftmem-dp-shard", choices=DP_SHARD_CHOICES, default=None,
+                       help="keep state that is identical on data-parallel replicas once across them (default: auto)")
+    group.add_argument("--ftmem-job-id", default=None,
+                       help="job identity a restart finds its snapshots by (default: FTMEM_JOB_ID, "
+                            "TORCHELASTIC_RUN_ID, or derived from MASTER_ADDR/PORT and the world size)")
+    group.add_argument("--ftmem-allow-disk-fallback", action="store_true",
+                       help="when memory holds a version this job cannot use (another parallel layout or model), "
+                            "load the persistent checkpoint from --load instead of stopping with the reason")
+    return parser
+
+
+def add_non_persistent_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's own flags, for drivers that do not have them (Megatron-LM does)."""
+    group = parser.add_argument_group("non-persistent checkpoints")
+    group.add_argument("--non-persistent-ckpt-type", choices=NON_PERSISTENT_TYPES, default=None)
+    group.add_argument("--non-persistent-save-interval", type=int, default=None)
+    return parser
+
+
+def _given_ftmem_flags(args) -> list[str]:
+    flags = [flag for flag, dest, _ in FTMEM_FLAGS if getattr(args, dest, None) is not None]
+    if getattr(args, "ftmem_allow_disk_fallback", False):
+        flags.append("--ftmem-allow-disk-fallback")
+    return flags
+
+
+def in_memory(args) -> bool:
+    return getattr(args, "non_persistent_ckpt_type", None) == IN_MEMORY
+
+
+def validate_ftmem_args(args) -> FtmemConfig:
+    """Check the flags together; returns the engine configuration. Errors name the
+    flags and say what to pass instead."""
+    world_size = args.world_size
+    given = _given_ftmem_flags(args)
+    if not in_memory(args):
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply to in-memory checkpoints, but "
+                              f"--non-persistent-ckpt-type is {getattr(args, 'non_persistent_ckpt_type', None)!r}. "
+                              f"Add --non-persistent-ckpt-type in_memory, or drop them.")
+        return FtmemConfig()
+    interval = getattr(args, "non_persistent_save_interval", None)
+    if not interval or interval < 1:
+        raise ConfigError(f"--non-persistent-ckpt-type in_memory needs --non-persistent-save-interval N "
+                          f"(N >= 1 iterations between in-memory checkpoints), got {interval!r}.")
+    if not getattr(args, "save", None) or not getattr(args, "load", None):
+        raise ConfigError("--non-persistent-ckpt-type in_memory needs --save and --load (usually the same "
+                          "directory): Megatron takes non-persistent checkpoints only when --save is set and "
+                          "restores only with --load, and that is where a disk fallback comes from.")
+    if (args.ftmem_ec_k is None) != (args.ftmem_ec_m is None):
+        raise ConfigError(f"--ftmem-ec-k and --ftmem-ec-m go together (got k={args.ftmem_ec_k}, "
+                          f"m={args.ftmem_ec_m}); pass both, or neither for defaults that fit the node count.")
+    section = {"ec": {"k": args.ftmem_ec_k, "m": args.ftmem_ec_m} if args.ftmem_ec_k is not None else {}}
+    for _, dest, key in FTMEM_FLAGS:
+        if "." not in key and getattr(args, dest) is not None:
+            section[key] = getattr(args, dest)
+    config = FtmemConfig.from_dict(section)
+    rpn = config.ranks_per_node
+    if rpn is not None and world_size % rpn:
+        raise ConfigError(f"--ftmem-ranks-per-node {rpn} does not divide the world size {world_size}: every node "
+                          f"holds the same number of ranks.")
+    if rpn is not None and config.ec.k is not None:
+        nodes = world_size // rpn
+        if config.ec.k + config.ec.m > nodes:
+            raise ConfigError(f"--ftmem-ec-k {config.ec.k} --ftmem-ec-m {config.ec.m} needs groups of "
+                              f"{config.ec.k + config.ec.m} nodes, but {world_size} ranks at "
+                              f"{rpn} per node make {nodes}. Use k + m <= {nodes}, or leave both out.")
+    return config

@@ -1,0 +1,175 @@
+"""Megatron-LM's ``--ckpt-format torch`` persistent checkpoints:
+
+    <save>/iter_0000100/mp_rank_00/model_optim_rng.pt          (PP = 1)
+    <save>/iter_0000100/mp_rank_01_003/model_optim_rng.pt      (PP > 1: TP rank, PP rank)
+    <save>/iter_0000100/mp_rank_01_003/distrib_optim.pt        (--use-distributed-optimizer)
+    <save>/latest_checkpointed_iteration.txt
+
+each ``model_optim_rng.pt`` holding Megatron-LM's keys: ``args``,
+``checkpoint_version``, ``iteration``, ``model``, ``optimizer``,
+``opt_param_scheduler``, ``rng_state`` (one entry per DP rank) and
+``num_floating_point_operations_so_far``. As in Megatron-LM only DP rank 0 of each
+(TP, PP) position writes it; the DistributedOptimizer's sharded state is gathered to
+DP rank 0 into ``distrib_optim.pt``.
+
+Writes are atomic: every rank writes under ``iter_XXXXXXX.tmp``, which global rank 0
+renames to ``iter_XXXXXXX`` once all are done, and ``latest_checkpointed_iteration.txt``
+is replaced last — a crash at any point leaves the previous checkpoint loadable.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MODEL_FILENAME = "model_optim_rng.pt"
+DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def rank_dir_name() -> str:
+    """``mp_rank_XX``, or ``mp_rank_XX_YYY`` with pipeline parallelism (Megatron-LM's get_checkpoint_name)."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return f"mp_rank_{tp_rank:02d}"
+    return f"mp_rank_{tp_rank:02d}_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+
+
+def checkpoint_name(root: str, iteration: int) -> str:
+    return os.path.join(iteration_dir(root, iteration), rank_dir_name(), MODEL_FILENAME)
+
+
+def rng_state() -> list:
+    """This rank's RNG states, gathered over the DP group as Megatron-LM's
+    get_rng_state does: the writer stores one entry per DP rank."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    states = [None] * parallel_state.get_data_parallel_world_size()
+    torch.distributed.all_gather_object(states, state, group=parallel_state.get_data_parallel_group())
+    return states
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    if not state["rng_tracker_states"]:
+        raise KeyError("the checkpoint holds no model-parallel RNG tracker states")
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _save_atomically(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                    args) -> None:
+    """Write the checkpoint of ``iteration`` under ``args.save`` (collective: every rank calls it)."""
+    from megatron.core import parallel_state
+
+    final_dir, staging_dir = iteration_dir(args.save, iteration), iteration_dir(args.save, iteration) + ".tmp"
+    if args.rank == 0:
+        shutil.rmtree(staging_dir, ignore_errors=True)  # a save that a crash interrupted
+        os.makedirs(staging_dir)
+    torch.distributed.barrier()
+
+    rng_states = rng_state()  # collective over DP
+    is_writer = parallel_state.get_data_parallel_rank() == 0
+    rank_dir = os.path.join(staging_dir, rank_dir_name())
+    if args.use_distributed_optimizer:  # collective over DP; DP rank 0 writes
+        if is_writer:
+            os.makedirs(rank_dir, exist_ok=True)
+        optimizer.save_parameter_state(os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
+    if is_writer:
+        state_dict = {
+            "args": args,
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            "model": model[0].state_dict_for_save_checkpoint(),
+            "optimizer": optimizer.state_dict(),
+            "opt_param_scheduler": opt_param_scheduler.state_dict(),
+            "rng_state": rng_states,
+            "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
+        }
+        os.makedirs(rank_dir, exist_ok=True)
+        _save_atomically(state_dict, os.path.join(rank_dir, MODEL_FILENAME))
+    torch.distributed.barrier()
+
+    if args.rank == 0:
+        if os.path.exists(final_dir):  # saved before (a resumed run passing the same iteration)
+            shutil.rmtree(final_dir)
+        os.rename(staging_dir, final_dir)
+        tracker = os.path.join(args.save, TRACKER_FILENAME)
+        with open(tracker + ".tmp", "w") as f:
+            f.write(str(iteration))
+        os.replace(tracker + ".tmp", tracker)
+        print(f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save} "
+              f"[ t {parallel_state.get_tensor_model_parallel_world_size()}, "
+              f"p {parallel_state.get_pipeline_model_parallel_world_size()} ]", flush=True)
+    torch.distributed.barrier()
+
+
+def read_tracker(root: str) -> int | None:
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        raise NotImplementedError("release checkpoints are not supported")
+    return int(text)
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> tuple[int, float]:
+    """Load the latest checkpoint under ``args.load`` into model, optimizer, scheduler
+    and RNGs; returns (iteration, num_floating_point_operations_so_far), (0, 0.0)
+    when there is none. Collective: every rank calls it."""
+    from megatron.core import parallel_state
+
+    iteration = read_tracker(args.load)
+    mine = -1 if iteration is None else iteration
+    seen = torch.tensor([mine], dtype=torch.int64)
+    torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+    if mine != seen.item():
+        raise RuntimeError(f"ranks read different latest iterations from {args.load} "
+                           f"({iteration} here, {seen.item()} elsewhere)")
+    if iteration is None:
+        if args.rank == 0:
+            print(f"no checkpoint in {args.load}; training from scratch", flush=True)
+        return 0, 0.0
+
+    path = checkpoint_name(args.load, iteration)
+    state_dict = torch.load(path, map_location="cpu", weights_only=False)
+    model[0].load_state_dict(state_dict["model"], strict=True)
+    optimizer.load_state_dict(state_dict["optimizer"])
+    if args.use_distributed_optimizer:  # collective over DP
+        # no_grad: with fp32 parameters the DistributedOptimizer's main params are views
+        # of the model's (leaf, requires-grad) params, which it copy_()s into.
+        with torch.no_grad():
+            optimizer.load_parameter_state(os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILENAME))
+    opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
+    set_rng_state(state_dict["rng_state"][parallel_state.get_data_parallel_rank()])
+    torch.distributed.barrier()
+    if args.rank == 0:
+        print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
+    return state_dict["iteration"], state_dict["num_floating_point_operations_so_far"]
