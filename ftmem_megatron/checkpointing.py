@@ -18,6 +18,7 @@ import functools
 import os
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.utils import unwrap_model
@@ -70,14 +71,32 @@ def _engine(args) -> SnapshotEngine:
     return _snapshots
 
 
+# The distributed optimizer's format that keeps each DP rank's own shard as it is, with
+# no gathering across ranks (its default, fully_sharded_model_space, is refused by
+# megatron-core's own ShardedTensor checks); other optimizers ignore it.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _give_distributed_optimizer_a_state(optimizer) -> None:
+    """A fresh DistributedOptimizer over torch's Adam (no Apex/TransformerEngine) cannot
+    describe itself for loading: its state_dict reads the "step" that torch's Adam keeps
+    per parameter, and a fresh Adam has none. megatron-core's own remedy (used for its
+    fsdp_dtensor format) is a step with zero gradients; what it writes is overwritten by
+    the load that follows."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(part, DistributedOptimizer) and not part.optimizer.state:
+            part._init_optimizer_states_with_dummy_values()
+
+
 def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
     chunks = unwrap_model(model)
+    if is_loading and optimizer is not None:
+        _give_distributed_optimizer_a_state(optimizer)
     state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     if optimizer is not None:
-        if is_loading:
-            state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
-        else:
-            state["optimizer"] = optimizer.sharded_state_dict(state)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     return state
 
 
@@ -151,6 +170,18 @@ def wait_protected() -> None:
         _handle.wait_committed()
 
 
+def close(job_finished: bool) -> None:
+    """Close this rank's engine now (collective in effect: every rank should). With
+    ``job_finished`` the job's snapshots are freed once all ranks have closed; without,
+    they stay for a restart, as after a crash. The next save or load starts a new
+    engine. (The exit hook of the closed engine then does nothing.)"""
+    global _snapshots, _handle
+    snapshots, _snapshots, _handle = _snapshots, None, None
+    if snapshots is not None:
+        snapshots.close(job_finished=job_finished)
+        snapshots.close = lambda job_finished=False: None  # already closed: skip it at exit
+
+
 def disk_iteration(load_dir: Optional[str]) -> int:
     """The iteration of Megatron's newest persistent checkpoint in ``load_dir``; -1 if none."""
     tracker = os.path.join(load_dir or "", "latest_checkpointed_iteration.txt")
@@ -205,10 +236,13 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, **_megatron_ext
     if problem is not None:
         return _fall_back(args, problem, on_disk)
 
-    for i, chunk in enumerate(unwrap_model(model)):
-        chunk.load_state_dict(filled[f"model{i}"], strict=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(filled["optimizer"])
+    # no_grad: with fp32 parameters the DistributedOptimizer's main params are views of
+    # the model's leaf parameters, which its load copies into.
+    with torch.no_grad():
+        for i, chunk in enumerate(unwrap_model(model)):
+            chunk.load_state_dict(filled[f"model{i}"], strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(filled["optimizer"])
     if opt_param_scheduler is not None:
         opt_param_scheduler.load_state_dict(state["scheduler"])
     set_rng_states(state["rng"])
