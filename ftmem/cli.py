@@ -48,6 +48,10 @@ def _cmd_bench(args) -> int:
         from .bench_save import bench_save
 
         bench_save(total_mb=args.mb or 500, repeat=args.repeat, shm_dir=args.shm_dir)
+    elif args.what == "megatron":
+        from ftmem_megatron.bench import MODEL, TINY, bench_megatron
+
+        bench_megatron(TINY if args.tiny else MODEL, shm_dir=args.shm_dir)
     else:
         from .bench_ec import bench_ec
 
@@ -108,14 +112,17 @@ def main(argv=None) -> int:
     p.add_argument("--job", help="the job (default: FTMEM_JOB_ID or TORCHELASTIC_RUN_ID)")
     p.add_argument("--all", action="store_true", help="every ftmem job in the shared-memory directory")
     p = add("bench", "benchmarks; each ends with a RESULT line", _cmd_bench)
-    p.add_argument("what", choices=["save", "ec"],
+    p.add_argument("what", choices=["save", "ec", "megatron"],
                    help="save: blocking and copy time of a save vs torch.save and memcpy; "
-                        "ec: coding throughput per core vs memcpy, time to protection, memory overhead "
+                        "ec: coding throughput per core vs memcpy, time to protection, memory overhead; "
+                        "megatron: save blocking and restore time of a megatron-core GPT (TP 2, 2 ranks) vs "
+                        "Megatron-LM's --ckpt-format torch (more flags: python -m ftmem_megatron.bench) "
                         "(DeepSpeed: python -m ftmem_deepspeed.bench)")
     p.add_argument("--mb", type=int, default=None,
                    help="state size in MiB (save: default 500; ec: per node, default 1024)")
     p.add_argument("--repeat", type=int, default=5, help="save: timed saves")
     p.add_argument("--piece-mb", type=int, default=64, help="ec: MiB per piece in the throughput runs")
+    p.add_argument("--tiny", action="store_true", help="megatron: a tiny GPT (seconds, for a smoke test)")
     add("demo", "train, SIGKILL a rank, restore from memory, compare with an uninterrupted run", _cmd_demo)
     p = sub.add_parser("survival", help="probability that a version survives F random node failures, EC vs replication")
     p.add_argument("--nodes", type=int, required=True)

@@ -114,6 +114,7 @@ class SnapshotEngine:
         self.store = RankStore(self.identity.node_dir, rank)
         self._maps: dict[tuple[str, int], tuple[mmap.mmap, torch.Tensor]] = {}
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftmem-copy")
+        self._closed = False
         self._inflight: Optional[SaveHandle] = None
         self._pinning = CudaPinning() if torch.cuda.is_available() else None
         self._side_streams: dict = {}
@@ -338,7 +339,11 @@ class SnapshotEngine:
         With ``job_finished`` the rank tells its SMP the job ended cleanly; when all
         ranks of the node have, the SMP frees the node's shared memory and exits.
         Without it the snapshots stay for a restarted job (or ``ftmem clean``).
+        A second call does nothing (an exit hook may come after an explicit close).
         """
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait()
         finally:

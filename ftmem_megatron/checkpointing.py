@@ -174,12 +174,11 @@ def close(job_finished: bool) -> None:
     """Close this rank's engine now (collective in effect: every rank should). With
     ``job_finished`` the job's snapshots are freed once all ranks have closed; without,
     they stay for a restart, as after a crash. The next save or load starts a new
-    engine. (The exit hook of the closed engine then does nothing.)"""
+    engine."""
     global _snapshots, _handle
     snapshots, _snapshots, _handle = _snapshots, None, None
     if snapshots is not None:
         snapshots.close(job_finished=job_finished)
-        snapshots.close = lambda job_finished=False: None  # already closed: skip it at exit
 
 
 def disk_iteration(load_dir: Optional[str]) -> int:

@@ -94,3 +94,34 @@ def test_resume_after_losing_a_node_is_bitwise(world, parallel, ftmem, lost_node
     assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(STOP + 1, ITERS + 1)}
     assert resumed["digests"] == ref["digests"]
     assert jobs.list_jobs(shm_dir) == []
+
+
+def test_restore_under_another_layout_is_refused_unless_disk_fallback_is_allowed(shm_dir, tmp_path):
+    """Memory holds TP=2 snapshots; the job comes back as DP=2. It stops with the
+    mismatch named, and loads its persistent checkpoint only when allowed to."""
+    mirror = ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m", "1"]
+    # A persistent checkpoint of the new layout (iteration 2); its clean end frees its memory.
+    dp2 = MegatronJob(2, [], mirror, shm_dir, str(tmp_path / "dp2"))
+    dp2.args[dp2.args.index("--train-iters") + 1] = "2"
+    dp2.args[dp2.args.index("--save-interval") + 1] = "2"
+    dp2.run(str(tmp_path / "dp2.json"))
+    # In memory: iteration 3 of a TP=2 job, which dies.
+    tp2 = MegatronJob(2, ["--tensor-model-parallel-size", "2"], mirror, shm_dir, str(tmp_path / "tp2"))
+    with tp2.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(2)), TIMEOUT, f"iteration {STOP}")
+        run.kill_all()
+    # The same job (identity) restarted as DP=2, loading the DP=2 checkpoint.
+    back = MegatronJob(2, [], mirror, shm_dir, str(tmp_path / "back"))
+    back.job = tp2.job
+    back.args[back.args.index("--load") + 1] = os.path.join(str(tmp_path / "dp2"), "ckpt")
+    codes = back.start().wait(TIMEOUT)
+    assert codes == [1, 1]
+    assert ("LayoutMismatch: ftmem: version 3 was saved under another parallel layout" in back.log(0)
+            and "tp_size 2 -> 1" in back.log(0) and "or pass --ftmem-allow-disk-fallback to load the persistent checkpoint from --load" in back.log(0))
+    assert jobs.status(shm_dir, tp2.job)["jobs"][0]["nodes"][0]["versions"] == [2, 3]  # nothing lost
+
+    back.run(str(tmp_path / "back.json"), "--ftmem-allow-disk-fallback")
+    assert "tp_size 2 -> 1" in back.log(0) and "as --ftmem-allow-disk-fallback allows" in back.log(0)
+    assert "successfully loaded checkpoint" in back.log(0) and "at iteration 2" in back.log(0)
+    assert sorted(read_out(str(tmp_path / "back.json"))["losses"], key=int) == ["3", "4", "5", "6"]
+    assert jobs.list_jobs(shm_dir) == []

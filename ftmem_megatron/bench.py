@@ -1,0 +1,220 @@
+"""``python -m ftmem_megatron.bench``: an ftmem in-memory save against Megatron-LM's
+``--ckpt-format torch`` save (torch.save to disk) on the same megatron-core GPT and
+parallel layout in one run — what ``save_checkpoint`` blocks and what
+``load_checkpoint`` takes into a freshly built model and optimizer.
+
+Run without ``--worker`` it starts the ranks (LocalJob), each running :func:`worker`;
+rank 0 prints the figures, and this process prints them and a ``RESULT`` line.
+
+The model and optimizer come from the driver's building blocks
+(:mod:`ftmem_megatron.pretrain_gpt`). Each save follows a training iteration; the
+two kinds take turns at every iteration, so load from outside the benchmark hits both
+alike. Before each timed ftmem save the previous snapshot is waited for (protected),
+so the figure is what the call itself blocks; before each torch save it is waited for
+too, so its background copy is not billed to torch.save. The first save of each kind
+allocates (shared memory, files) and is left out; the figure is the median of the
+rest. Every time is the maximum over the ranks. torch.save writes into the page cache
+(no fsync), as Megatron-LM's does.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+WORLD = 2
+# ~53M parameters (the embedding is 24.6M of them), ~26M per rank at TP 2.
+MODEL = {"num_layers": 4, "hidden_size": 768, "num_attention_heads": 12, "seq_length": 128, "vocab_size": 32000}
+TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 128}
+TARGET_X = 20.0
+
+
+def driver_argv(shape: dict, tp: int, ftmem_dir: str, shm_dir: str, job: str) -> list[str]:
+    """The driver's flags for the model, with in-memory checkpoints through ftmem."""
+    return [
+        "--num-layers", str(shape["num_layers"]), "--hidden-size", str(shape["hidden_size"]),
+        "--num-attention-heads", str(shape["num_attention_heads"]), "--seq-length", str(shape["seq_length"]),
+        "--max-position-embeddings", str(shape["seq_length"]), "--vocab-size", str(shape["vocab_size"]),
+        "--tensor-model-parallel-size", str(tp), "--micro-batch-size", "1", "--global-batch-size",
+        str(WORLD // tp), "--train-iters", "1000", "--lr", "1e-4", "--mock-data",
+        "--non-persistent-ckpt-type", "in_memory", "--non-persistent-save-interval", "1",
+        "--save", ftmem_dir, "--load", ftmem_dir, "--save-interval", "1000",
+        "--ftmem-shm-dir", shm_dir, "--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m", "1",
+        "--ftmem-job-id", job,
+    ]
+
+
+def worker(argv=None) -> None:
+    import torch
+    from megatron.core import parallel_state
+
+    from . import checkpointing, torch_checkpoint
+    from .pretrain_gpt import build_model, build_optimizer, initialize, parse_args, state_digest, train_step
+    from .pretrain_gpt import transformer_config
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)  # not --saves for the driver's --save
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--saves", type=int, required=True)
+    mine, driver = parser.parse_known_args(argv)
+    args = parse_args(driver)
+    initialize(args)
+    rank = args.rank
+    # The persistent baseline in a directory of its own: ftmem's load restores from
+    # memory only when memory holds a newer iteration than --load's disk does.
+    torch_args = copy.copy(args)
+    torch_args.save = torch_args.load = os.path.join(mine.work, "torch")
+    figures: dict = {}
+
+    def build():
+        config = transformer_config(args)
+        model = build_model(args, config)
+        optimizer, scheduler = build_optimizer(args, model, config)
+        for chunk in model:
+            chunk.train()
+        return model, optimizer, scheduler
+
+    def timed(fn) -> float:
+        """Seconds ``fn`` takes, from a barrier; the maximum over the ranks."""
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        fn()
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        torch.distributed.all_reduce(took, op=torch.distributed.ReduceOp.MAX)
+        return took.item()
+
+    model, optimizer, scheduler = build()
+    # Parameters split across TP ranks counted on each, the replicated ones on TP rank 0.
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    counted = torch.tensor([sum(p.numel() for chunk in model for p in chunk.module.parameters()
+                                if getattr(p, "tensor_model_parallel", False) or tp_rank == 0)])
+    torch.distributed.all_reduce(counted)
+    figures["params"] = counted.item() // args.data_parallel_size
+    saves = {"ftmem": [], "torch": []}
+    iteration = 0
+    for iteration in range(1, mine.saves + 2):  # + 1: the warm-up save
+        train_step(args, iteration, model, optimizer, scheduler)
+        checkpointing.wait_protected()
+        saves["ftmem"].append(timed(lambda: checkpointing.save_checkpoint(
+            iteration, model, optimizer, scheduler, 0.0, args)))
+        checkpointing.wait_protected()
+        saves["torch"].append(timed(lambda: torch_checkpoint.save_checkpoint(
+            iteration, model, optimizer, scheduler, 0.0, torch_args)))
+        if rank == 0 and iteration > 1:  # keep one checkpoint on disk
+            shutil.rmtree(torch_checkpoint.iteration_dir(torch_args.save, iteration - 1))
+        if rank == 0:
+            print(f"iteration {iteration}: ftmem save blocked {saves['ftmem'][-1]:.4f} s, "
+                  f"torch save {saves['torch'][-1]:.3f} s", flush=True)
+    for name, times in saves.items():
+        figures[f"{name}_save_s"] = statistics.median(times[1:])
+        figures[f"{name}_first_save_s"] = times[0]
+        figures[f"{name}_saves_s"] = times
+    saved_digest = state_digest(model, optimizer)
+    checkpointing.wait_protected()
+    checkpointing.close(job_finished=False)  # the snapshots stay, as after a crash
+    model = optimizer = scheduler = None  # free it before building the next
+
+    # Restores into freshly built state, as a restarted job does. The ftmem figure
+    # includes starting the new engine (attaching to the node's SMP), which a restart pays.
+    for name in ("ftmem", "torch"):
+        model, optimizer, scheduler = build()
+        loaded = []
+        if name == "ftmem":
+            took = timed(lambda: loaded.append(checkpointing.load_checkpoint(model, optimizer, scheduler, args)))
+        else:
+            took = timed(lambda: loaded.append(torch_checkpoint.load_checkpoint(model, optimizer, scheduler,
+                                                                                torch_args)))
+        if not loaded[0] or loaded[0][0] != iteration:
+            raise RuntimeError(f"the {name} restore returned {loaded[0]}, not iteration {iteration}")
+        same = torch.tensor([int(state_digest(model, optimizer) == saved_digest)])
+        torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN)
+        if not same.item():
+            raise RuntimeError(f"the {name} restore does not reproduce the saved parameters and optimizer state")
+        figures[f"{name}_restore_s"] = took
+        model = optimizer = scheduler = None  # free it before building the next
+    checkpointing.close(job_finished=True)
+    if rank == 0:
+        print("FIGURES " + json.dumps(figures), flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def bench_megatron(shape: dict = MODEL, tp: int = 2, saves: int = 3, shm_dir: str = "/dev/shm",
+                   timeout_s: float = 1800) -> dict:
+    work = tempfile.mkdtemp(prefix="ftmem-bench-mg-", dir=os.getcwd())
+    job = f"bench-mg-{os.getpid()}"
+    from ftmem import jobs
+    from ftmem.launch import LocalJob
+
+    argv = ["--worker", "--work", work, "--saves", str(saves),
+            *driver_argv(shape, tp, os.path.join(work, "ftmem"), shm_dir, job)]
+    started = time.monotonic()
+    try:
+        with LocalJob("ftmem_megatron.bench", argv, WORLD, job, os.path.join(work, "logs")) as ranks:
+            codes = ranks.wait(timeout_s)
+        log = LocalJob.read_log(os.path.join(work, "logs"), 0)
+        line = next((ln for ln in log.splitlines() if ln.startswith("FIGURES ")), None)
+        if codes != [0] * WORLD or line is None:
+            other = LocalJob.read_log(os.path.join(work, "logs"), 1)
+            raise RuntimeError(f"the Megatron benchmark failed (exit codes {codes}):\n--- rank 0 ---\n"
+                               f"{log[-4000:]}\n--- rank 1 ---\n{other[-2000:]}")
+    finally:
+        jobs.clean(shm_dir, job)
+        shutil.rmtree(work, ignore_errors=True)
+    f = json.loads(line[len("FIGURES "):])
+    result = {
+        "ftmem_save_s": f["ftmem_save_s"], "torch_save_s": f["torch_save_s"],
+        "save_vs_torch_x": f["torch_save_s"] / f["ftmem_save_s"],
+        "ftmem_restore_s": f["ftmem_restore_s"], "torch_restore_s": f["torch_restore_s"],
+        "restore_vs_torch_x": f["torch_restore_s"] / f["ftmem_restore_s"],
+        "ftmem_first_save_s": f["ftmem_first_save_s"], "torch_first_save_s": f["torch_first_save_s"],
+        "params": f["params"],
+    }
+    print(f"megatron-core GPT of {f['params'] / 1e6:.1f}M parameters ({shape}), TP {tp} on {WORLD} ranks "
+          f"(CPU, gloo), Adam; ftmem EC k=1 m=1, one rank per node; times are the max over ranks, "
+          f"median of {saves} saves after a warm-up save:")
+    print(f"  save_checkpoint blocks   torch (--ckpt-format torch) {result['torch_save_s']:.3f} s   "
+          f"ftmem {result['ftmem_save_s']:.4f} s   ({result['save_vs_torch_x']:.0f}x less, "
+          f"target >= {TARGET_X:.0f}x: {'met' if result['save_vs_torch_x'] >= TARGET_X else 'NOT met'})")
+    print(f"  first (allocating) save  torch {result['torch_first_save_s']:.3f} s   "
+          f"ftmem {result['ftmem_first_save_s']:.4f} s")
+    for name in ("torch", "ftmem"):
+        print(f"  each {name} save (s)     " + " ".join(f"{t:.4f}" for t in f[f"{name}_saves_s"]))
+    print(f"  load_checkpoint          torch {result['torch_restore_s']:.3f} s   "
+          f"ftmem {result['ftmem_restore_s']:.3f} s   (restored state checked bitwise for both)")
+    print(f"  wall time {time.monotonic() - started:.0f} s")
+    print("RESULT " + " ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.6g}" for k, v in result.items()))
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (shared with ``ftmem bench megatron``), less --shm-dir."""
+    parser.add_argument("--tiny", action="store_true", help=f"a tiny GPT ({TINY}), for tests")
+    for key, value in MODEL.items():
+        parser.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"default {value}")
+    parser.add_argument("--tp", type=int, default=2, choices=(1, 2), help="tensor-parallel size (default 2)")
+    parser.add_argument("--saves", type=int, default=3, help="timed saves of each kind after the warm-up one")
+
+
+def run(args) -> int:
+    shape = dict(TINY if args.tiny else MODEL)
+    shape.update({k: getattr(args, k) for k in MODEL if getattr(args, k) is not None})
+    bench_megatron(shape, tp=args.tp, saves=args.saves, shm_dir=args.shm_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[1:])
+    else:
+        parser = argparse.ArgumentParser(prog="python -m ftmem_megatron.bench",
+                                         description=__doc__.splitlines()[0])
+        parser.add_argument("--shm-dir", default="/dev/shm")
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))
