@@ -125,3 +125,18 @@ def test_restore_under_another_layout_is_refused_unless_disk_fallback_is_allowed
     assert "successfully loaded checkpoint" in back.log(0) and "at iteration 2" in back.log(0)
     assert sorted(read_out(str(tmp_path / "back.json"))["losses"], key=int) == ["3", "4", "5", "6"]
     assert jobs.list_jobs(shm_dir) == []
+
+
+@pytest.mark.parametrize("drop, add, message", [
+    ("--non-persistent-save-interval", [], "needs --non-persistent-save-interval N"),
+    (None, ["--ftmem-ec-k", "3", "--ftmem-ec-m", "1"], "needs groups of 4 nodes, but 2 ranks at 1 per node make 2"),
+    (None, ["--ftmem-ec-kk", "3"], "unrecognized arguments: --ftmem-ec-kk"),
+])
+def test_bad_flags_stop_the_driver_before_training(drop, add, message, shm_dir, tmp_path):
+    job = MegatronJob(2, [], ["--ftmem-ranks-per-node", "1"], shm_dir, str(tmp_path))
+    if drop:
+        at = job.args.index(drop)
+        del job.args[at:at + 2]
+    codes = job.start(*add).wait(TIMEOUT)
+    assert codes != [0, 0] and message in job.log(0)
+    assert " iteration " not in job.log(0) and jobs.list_jobs(shm_dir) == []
