@@ -1,0 +1,270 @@
+"""Megatron-LM 0.19.2 with ftmem, both ways: patches/megatron-lm-0.19.2-ftmem.patch
+applied to its sources, and ftmem_megatron.install() on the unpatched sources.
+
+Megatron-LM's ``megatron/training`` ships in the megatron-core 0.19.2 wheel (with its
+own ``megatron/core``, which the probes use instead of the installed megatron-core).
+The wheel is downloaded once and cached in ~/.cache/ftmem-test/. Each probe runs
+Megatron's own parse_and_validate_args / validate_args with a tiny GPT config, then
+calls save_checkpoint(non_persistent_ckpt=True) and load_checkpoint through the names
+megatron.training.training uses. No process groups exist in the probe, so ftmem's real
+functions (not mocks) are entered and stop where they first need them
+(parallel_state); the traceback shows the dispatch into ftmem_megatron.checkpointing.
+"""
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import zipfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATCH = os.path.join(REPO, "patches", "megatron-lm-0.19.2-ftmem.patch")
+VERSION = "0.19.2"
+CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ftmem-test")
+
+# Test-only stubs for importing 0.19.2's megatron.training on this box; imported by the
+# probe before megatron. Written next to the tree, not part of it.
+STUBS = textwrap.dedent('''
+    import importlib.util
+    import sys
+    import types
+    import typing
+
+    # megatron/training/models/gpt.py does `from typing import override` (Python >= 3.12);
+    # the same decorator is in typing_extensions, which megatron-core already uses.
+    if not hasattr(typing, "override"):
+        import typing_extensions
+        typing.override = typing_extensions.override
+
+    # megatron.training.training imports megatron.core.transformer.moe.paged_stash, which
+    # imports these Triton kernels (GPU only). Argument parsing and the checkpoint
+    # dispatch never run them.
+    if importlib.util.find_spec("triton") is None:
+        ops = types.ModuleType("megatron.core.transformer.moe.ops.paged_stash")
+        ops.GLOBAL_BLOCK_SIZE = 1024
+
+        def _no_triton(*args, **kwargs):
+            raise RuntimeError("Triton kernel stubbed out by tests/test_megatron_patch.py")
+
+        ops.paged_stash_copy_kernel = ops.paged_stash_pop_kernel = _no_triton
+        sys.modules[ops.__name__] = ops
+''')
+
+PROBE = textwrap.dedent('''
+    import contextlib, io, json, os, re, sys, traceback
+
+    mode, tree, ckpt_dir = sys.argv[1:4]
+    import megatron_stubs  # noqa: F401  (before megatron)
+    import megatron.core
+    from megatron.core import package_info
+    import megatron.training.arguments as A
+    import megatron.training.checkpointing as C
+    import megatron.training.training as T
+
+    out = {"core": megatron.core.__file__, "version": package_info.__version__,
+           "native": getattr(C, "FTMEM_NATIVE", False)}
+    stock = {"validate": A.validate_args, "save": C.save_checkpoint, "load": C.load_checkpoint}
+
+    import ftmem_megatron
+    out["lazy"] = "ftmem_megatron.megatron_lm" not in sys.modules
+    ftmem_megatron.install()
+    ftmem_megatron.install()
+    out["validate_wrapped"] = A.validate_args is not stock["validate"]
+    out["save_wrapped"] = C.save_checkpoint is not stock["save"]
+    out["training_names_routed"] = T.save_checkpoint is C.save_checkpoint and T.load_checkpoint is C.load_checkpoint
+    if mode == "installer":
+        out["wrapped_once"] = (getattr(A.validate_args, "__wrapped__", None) is stock["validate"]
+                               and getattr(C.save_checkpoint, "__wrapped__", None) is stock["save"]
+                               and getattr(C.load_checkpoint, "__wrapped__", None) is stock["load"])
+
+    BASE = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+            "--train-iters", "10", "--lr", "1e-4", "--save-interval", "1000",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--save", ckpt_dir, "--load", ckpt_dir]
+    IN_MEMORY = ["--non-persistent-ckpt-type", "in_memory", "--non-persistent-save-interval", "1"]
+
+    # Megatron's own entry point, as pretrain_gpt.py calls it (sets the global args).
+    sys.argv = BASE + IN_MEMORY + ["--ftmem-ec-k", "1", "--ftmem-ec-m", "1", "--ftmem-ranks-per-node", "1"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        args = A.parse_and_validate_args()
+    out["good"] = [args.non_persistent_ckpt_type, args.non_persistent_save_interval, args.ftmem_ec_k,
+                   args.ftmem_ec_m, args.ftmem_ranks_per_node, args.data_parallel_size]
+    out["leftover_attrs"] = [k for k in vars(args) if k.startswith("_ftmem")]
+    out["printed_in_memory"] = bool(re.search(r"non_persistent_ckpt_type \\.+ in_memory", printed.getvalue()))
+
+    def rejected(extra):
+        sys.argv = BASE + extra
+        bad = A.parse_args()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                A.validate_args(bad, {})
+        except Exception as e:
+            return [type(e).__name__, str(e)]
+        return None
+
+    out["bad"] = {
+        "k_without_m": rejected(IN_MEMORY + ["--ftmem-ec-k", "1"]),
+        "no_interval": rejected(["--non-persistent-ckpt-type", "in_memory"]),
+        "flags_without_in_memory": rejected(["--ftmem-ec-k", "1", "--ftmem-ec-m", "1"]),
+        "group_too_big": rejected(IN_MEMORY + ["--ftmem-ec-k", "2", "--ftmem-ec-m", "1",
+                                               "--ftmem-ranks-per-node", "1"]),
+    }
+    if mode == "patched":
+        # Without ftmem installed, the patched Megatron-LM names the package to install.
+        saved = {k: v for k, v in sys.modules.items() if k == "ftmem_megatron" or k.startswith("ftmem_megatron.")}
+        sys.modules["ftmem_megatron"] = None  # find_spec() -> None, import -> ImportError
+        try:
+            out["without_ftmem"] = rejected(IN_MEMORY)
+        finally:
+            sys.modules.update(saved)
+
+    # ftmem_megatron's own megatron-core imports resolve to the wheel's 0.19.2 core.
+    import ftmem_megatron.checkpointing, ftmem_megatron.sharded_state  # noqa: E401
+    out["adapter_core"] = sorted({sys.modules[m].__file__ for m in (
+        "megatron.core.dist_checkpointing.mapping", "megatron.core.dist_checkpointing.dict_utils",
+        "megatron.core.parallel_state", "megatron.core.tensor_parallel", "megatron.core.utils")})
+
+    def frames(call):
+        try:
+            call()
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}",
+                    "frames": [f"{f.filename}:{f.name}" for f in traceback.extract_tb(e.__traceback__)]}
+        return {"error": None, "frames": []}
+
+    # What train_step's save_checkpoint_and_time and setup_model_and_optimizer call.
+    out["save"] = frames(lambda: T.save_checkpoint(7, [], None, None, 0.0, None, non_persistent_ckpt=True))
+    out["load"] = frames(lambda: T.load_checkpoint([], None, None, checkpointing_context=None))
+    out["persistent_save"] = frames(lambda: T.save_checkpoint(7, [], None, None, 0.0, None))
+    # After ftmem found nothing newer, Megatron's disk load looks for no non-persistent checkpoint.
+    try:
+        out["disk_non_persistent_iteration"] = C._get_non_persistent_iteration(ckpt_dir, args)
+    except Exception as e:
+        out["disk_non_persistent_iteration"] = f"{type(e).__name__}: {e}"
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def _cached_wheel() -> str:
+    os.makedirs(CACHE, exist_ok=True)
+    for path in glob.glob(os.path.join(CACHE, f"megatron_core-{VERSION}-*.whl")):
+        if zipfile.is_zipfile(path):
+            return path
+        os.remove(path)
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                              "--python-version", "3.12", f"megatron-core=={VERSION}", "-d", tmp,
+                              "--disable-pip-version-check", "-q"], capture_output=True, text=True, timeout=300)
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if got.returncode != 0 or not wheels:
+            pytest.fail(f"could not download the megatron-core {VERSION} wheel (it ships Megatron-LM's "
+                        f"megatron/training) into {CACHE}; this test needs PyPI once, or the wheel put there "
+                        f"by hand.\npip said:\n{(got.stdout + got.stderr)[-2000:]}")
+        final = os.path.join(CACHE, os.path.basename(wheels[0]))
+        os.replace(wheels[0], final)
+    return final
+
+
+@pytest.fixture(scope="module")
+def wheel() -> str:
+    return _cached_wheel()
+
+
+def _unpack(wheel: str, dest) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(dest, [n for n in z.namelist() if n.startswith("megatron/")])
+    with open(os.path.join(dest, "megatron_stubs.py"), "w") as f:
+        f.write(STUBS)
+    return str(dest)
+
+
+def _apply_patch(tree: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["patch", "-p1", "--forward", "-i", PATCH], cwd=tree, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def patched_tree(wheel, tmp_path_factory):
+    tree = _unpack(wheel, tmp_path_factory.mktemp("patched"))
+    return tree, _apply_patch(tree)
+
+
+def _probe(mode: str, tree: str, tmp_path) -> dict:
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, REPO]), WORLD_SIZE="2", RANK="0",
+               PYTHONDONTWRITEBYTECODE="1")
+    env.pop("LOCAL_WORLD_SIZE", None)
+    out = subprocess.run([sys.executable, str(probe), mode, tree, str(tmp_path / "ckpt")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=240)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _check_arguments(result: dict, tree: str) -> None:
+    assert result["core"].startswith(tree) and result["version"] == VERSION, result["core"]
+    assert all(path.startswith(tree) for path in result["adapter_core"]), result["adapter_core"]
+    assert result["lazy"], "import ftmem_megatron imported the Megatron-LM hooks before install()"
+    assert result["good"] == ["in_memory", 1, 1, 1, 1, 2]
+    assert result["leftover_attrs"] == [] and result["printed_in_memory"]
+    bad = result["bad"]
+    assert bad["k_without_m"][0] == "ConfigError", bad
+    assert "--ftmem-ec-k and --ftmem-ec-m go together" in bad["k_without_m"][1]
+    assert bad["no_interval"][0] == "ConfigError" and "needs --non-persistent-save-interval" in bad["no_interval"][1]
+    assert bad["flags_without_in_memory"][0] == "ConfigError", bad
+    assert "only apply to in-memory checkpoints" in bad["flags_without_in_memory"][1]
+    assert bad["group_too_big"][0] == "ConfigError" and "needs groups of 3 nodes" in bad["group_too_big"][1]
+
+
+def _check_dispatch(result: dict, dispatcher: str, tree: str) -> None:
+    """``dispatcher`` (file:function) calls ftmem_megatron.checkpointing's function of the
+    same name, which runs until it needs the process groups."""
+    ftmem_ckpt = os.path.join(REPO, "ftmem_megatron", "checkpointing.py")
+    for name in ("save", "load"):
+        call = result[name]
+        frames = call["frames"]
+        entered = f"{ftmem_ckpt}:{name}_checkpoint"
+        assert entered in frames, call
+        assert frames[frames.index(entered) - 1] == f"{dispatcher}:{name}_checkpoint", call
+        assert frames[-1].startswith(os.path.join(tree, "megatron", "core", "parallel_state.py")), call
+        assert "is not initialized" in call["error"], call
+    persistent = result["persistent_save"]["frames"]
+    assert persistent and not any(f.startswith(ftmem_ckpt) for f in persistent), result["persistent_save"]
+    assert result["disk_non_persistent_iteration"] == -1
+
+
+def test_patch_applies_cleanly(patched_tree):
+    tree, applied = patched_tree
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert not re.search(r"offset|fuzz|reversed|rej", applied.stdout + applied.stderr), applied.stdout
+    with open(os.path.join(tree, "megatron", "training", "checkpointing.py")) as f:
+        assert "FTMEM_NATIVE = True" in f.read()
+
+
+def test_patched_megatron_lm_parses_and_dispatches_to_ftmem(patched_tree, tmp_path):
+    tree, applied = patched_tree
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    result = _probe("patched", tree, tmp_path)
+    assert result["native"] is True
+    # install() sees the patch and changes nothing.
+    assert not result["validate_wrapped"] and not result["save_wrapped"] and result["training_names_routed"]
+    _check_arguments(result, tree)
+    without = result["without_ftmem"]
+    assert without[0] == "RuntimeError" and 'pip install "ftmem[megatron]"' in without[1], without
+    _check_dispatch(result, os.path.join(tree, "megatron", "training", "checkpointing.py"), tree)
+
+
+def test_installer_on_unpatched_megatron_lm(wheel, tmp_path):
+    tree = _unpack(wheel, tmp_path / "stock")
+    result = _probe("installer", tree, tmp_path)
+    assert result["native"] is False
+    assert result["validate_wrapped"] and result["save_wrapped"] and result["training_names_routed"]
+    assert result["wrapped_once"], "a second install() wrapped the hooks again"
+    _check_arguments(result, tree)
+    _check_dispatch(result, os.path.join(REPO, "ftmem_megatron", "megatron_lm.py"), tree)
