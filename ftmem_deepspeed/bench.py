@@ -25,13 +25,16 @@ WORLD = 2
 BIG = {"hidden": 768, "layers": 8, "seq_len": 64}  # ~57M parameters
 SMALL = {"hidden": 256, "layers": 4, "seq_len": 64}
 MICRO_BATCH = 2
-# The iteration overhead depends on how much compute a step holds per byte of state.
-# Real pretraining runs thousands of tokens per GPU per step; 2048 per rank is at the
-# low end of that. 128 shows the overhead when a step is almost all state.
-ITERATION_MICRO_BATCHES = {"tokens128": 2, "tokens2048": 32}
+# Iteration-time cases: (micro batch, ranks per node). The overhead depends on how much
+# compute a step holds per byte of state: real pretraining runs thousands of tokens per
+# GPU per step, 2048 per rank is at the low end of that, and 128 is a step that is
+# almost all state. With 1 rank per node the 2 ranks are 2 nodes mirroring each other
+# (k=1, m=1: every save's bytes cross between them); with 2 per node they are one node
+# and nothing crosses, which isolates the cost of the cross-node exchange.
+ITERATION_CASES = {"tokens128": (2, 1), "tokens2048": (32, 1), "tokens128_one_node": (2, 2)}
 
 
-def _config(ftmem: bool, shm_dir: str, micro_batch: int) -> dict:
+def _config(ftmem: bool, shm_dir: str, micro_batch: int, ranks_per_node: int) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
@@ -39,7 +42,7 @@ def _config(ftmem: bool, shm_dir: str, micro_batch: int) -> dict:
     }
     if ftmem:
         config["checkpoint"] = {"engine": "ftmem"}
-        config["ftmem"] = {"ranks_per_node": 1, "shm_dir": shm_dir}
+        config["ftmem"] = {"ranks_per_node": ranks_per_node, "shm_dir": shm_dir}
     return config
 
 
@@ -64,10 +67,10 @@ def worker(argv=None) -> None:
     rank = torch.distributed.get_rank()
     figures = {}
 
-    def engine_for(shape: dict, ftmem: bool, micro_batch: int = MICRO_BATCH):
+    def engine_for(shape: dict, ftmem: bool, micro_batch: int = MICRO_BATCH, ranks_per_node: int = 1):
         model = GPT(GPTConfig(**shape))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=_config(ftmem, args.shm_dir, micro_batch))
+                                          config=_config(ftmem, args.shm_dir, micro_batch, ranks_per_node))
         return engine, GPTConfig(**shape)
 
     def train_step(engine, cfg, step):
@@ -108,8 +111,9 @@ def worker(argv=None) -> None:
     # engines take turns in blocks of steps, so load from outside the benchmark hits both
     # alike; before a block without saves the last snapshot is drained (protected), so
     # its background work is not billed to the engine that does not save.
-    for tokens, micro_batch in ITERATION_MICRO_BATCHES.items():
-        engines = {name: engine_for(SMALL, save, micro_batch) for name, save in (("nosave", False), ("save", True))}
+    for case, (micro_batch, ranks_per_node) in ITERATION_CASES.items():
+        engines = {name: engine_for(SMALL, save, micro_batch, ranks_per_node)
+                   for name, save in (("nosave", False), ("save", True))}
         times = {name: [] for name in engines}
         for block in range(args.blocks):
             for name, (engine, cfg) in engines.items():
@@ -122,7 +126,7 @@ def worker(argv=None) -> None:
                             engine.save_checkpoint(os.path.join(args.work, "every-step"))
                     times[name].append(timed(one_step))
         for name in engines:
-            figures[f"iter_{tokens}_{name}_s"] = statistics.median(times[name][2:])  # past warm-up, allocation
+            figures[f"iter_{case}_{name}_s"] = statistics.median(times[name][2:])  # past warm-up, allocation
         engines["save"][0].checkpoint_engine.snapshots.close(job_finished=True)
         del engines
     if rank == 0:
@@ -148,20 +152,21 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
         "default_restore_s": f["default_restore_s"], "ftmem_restore_s": f["ftmem_restore_s"],
         "save_vs_default_x": f["default_save_s"] / f["ftmem_save_s"],
     }
-    for tokens in ITERATION_MICRO_BATCHES:
-        nosave, save = f[f"iter_{tokens}_nosave_s"], f[f"iter_{tokens}_save_s"]
-        result.update({f"iter_{tokens}_nosave_s": nosave, f"iter_{tokens}_save_every_step_s": save,
-                       f"iter_{tokens}_overhead_x": save / nosave})
+    for case in ITERATION_CASES:
+        nosave, save = f[f"iter_{case}_nosave_s"], f[f"iter_{case}_save_s"]
+        result.update({f"iter_{case}_nosave_s": nosave, f"iter_{case}_save_every_step_s": save,
+                       f"iter_{case}_overhead_x": save / nosave})
     print(f"GPT of {f['params'] / 1e6:.1f}M parameters, ZeRO-1, {WORLD} ranks (CPU, gloo):")
     print(f"  save_checkpoint blocks   default {result['default_save_s']:.3f} s   ftmem {result['ftmem_save_s']:.3f} s"
           f"   ({result['save_vs_default_x']:.0f}x less, target >= 20x)")
     print(f"  load_checkpoint          default {result['default_restore_s']:.3f} s   "
           f"ftmem {result['ftmem_restore_s']:.3f} s")
     print(f"smaller GPT ({SMALL}), iteration without saves vs an ftmem save every step:")
-    for tokens, micro_batch in ITERATION_MICRO_BATCHES.items():
-        print(f"  {micro_batch * SMALL['seq_len']:5d} tokens per rank per step: "
-              f"{result[f'iter_{tokens}_nosave_s'] * 1e3:7.1f} ms vs {result[f'iter_{tokens}_save_every_step_s'] * 1e3:7.1f} ms"
-              f"  ({(result[f'iter_{tokens}_overhead_x'] - 1) * 100:+.1f}%, target <= +10%)")
+    for case, (micro_batch, ranks_per_node) in ITERATION_CASES.items():
+        where = "2 nodes, mirrored" if ranks_per_node == 1 else "1 node, no cross-node parity"
+        print(f"  {micro_batch * SMALL['seq_len']:5d} tokens per rank per step, {where:28s}: "
+              f"{result[f'iter_{case}_nosave_s'] * 1e3:7.1f} ms vs {result[f'iter_{case}_save_every_step_s'] * 1e3:7.1f} ms"
+              f"  ({(result[f'iter_{case}_overhead_x'] - 1) * 100:+.1f}%, target <= +10%)")
     print("RESULT " + " ".join(f"{k}={v:.6g}" for k, v in result.items()))
     return result
 
