@@ -58,8 +58,9 @@ def reference(world, parallel, ftmem, root) -> dict:
 @pytest.mark.parametrize("world, parallel, ftmem, lost_node, replicas", [
     (2, ["--tensor-model-parallel-size", "2"], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1",
                                                 "--ftmem-ec-m", "1"], 1, 1),
-    (2, ["--pipeline-model-parallel-size", "2"], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1",
-                                                  "--ftmem-ec-m", "1"], 0, 1),
+    # PP 2 x DP 2 on 4 virtual nodes, k=2, m=1, DP sharding left to "auto".
+    (4, ["--pipeline-model-parallel-size", "2"], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "2",
+                                                  "--ftmem-ec-m", "1"], 3, 2),
     # TP 2 x DP 2 on 4 virtual nodes, k=2, m=1; replicated weights and optimizer state
     # are kept once across the DP replicas.
     (4, ["--tensor-model-parallel-size", "2"], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "2",
@@ -67,7 +68,7 @@ def reference(world, parallel, ftmem, root) -> dict:
     # DP 2 with megatron-core's DistributedOptimizer: its state is split, not replicated.
     (2, ["--use-distributed-optimizer"], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m", "1",
                                           "--ftmem-dp-shard", "on"], 1, 2),
-], ids=["tp2", "pp2", "tp2-dp2-dp-shard", "dp2-distributed-optimizer"])
+], ids=["tp2", "pp2-dp2", "tp2-dp2-dp-shard", "dp2-distributed-optimizer"])
 def test_resume_after_losing_a_node_is_bitwise(world, parallel, ftmem, lost_node, replicas, shm_dir, tmp_path):
     ref = reference(world, parallel, ftmem, str(tmp_path / "reference"))
     job = MegatronJob(world, parallel, ftmem, shm_dir, str(tmp_path / "run"))
