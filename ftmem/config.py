@@ -84,6 +84,11 @@ class PersistConfig:
             raise ConfigError(
                 f'"ftmem.persist": interval must be >= 0 and keep >= 1, got interval={self.interval}, keep={self.keep}.'
             )
+        if bool(self.dir) != (self.interval > 0):
+            raise ConfigError(
+                f'"ftmem.persist" needs both "dir" and "interval" >= 1 (got dir={self.dir!r}, '
+                f"interval={self.interval}): every interval-th protected version is flushed to dir."
+            )
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from .handle import SaveHandle
 from .identity import RankIdentity
 from .layout import SnapshotPlan
 from .parallel import ParallelLayout, make_dp_groups
+from .persist import Flusher, FlushTarget
 from .placement import ec_groups
 from .protect import ColumnCoder, Topology, make_column_groups, piece_size, plan_recovery, with_slot
 from .serialize import join_state, split_state
@@ -115,6 +116,7 @@ class SnapshotEngine:
         self._maps: dict[tuple[str, int], tuple[mmap.mmap, torch.Tensor]] = {}
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftmem-copy")
         self._closed = False
+        self._flusher: Optional[Flusher] = None
         self._inflight: Optional[SaveHandle] = None
         self._pinning = CudaPinning() if torch.cuda.is_available() else None
         self._side_streams: dict = {}
@@ -213,8 +215,34 @@ class SnapshotEngine:
                 if self._column is not None:
                     self.store.write_protected(version)
             handle._set_committed()
+            if self._flusher is not None and self._flusher.due():
+                self._hand_over_for_flush(record, slot_bytes)
         except BaseException as e:
             handle._fail(e)
+
+    def persist_with(self, target: FlushTarget) -> None:
+        """Flush every ``persist.interval``-th protected version to ``persist.dir`` through
+        ``target`` (see :mod:`ftmem.persist`). Collective: every rank, once."""
+        self._flusher = Flusher(self.config.persist, target, self.rank, self.identity.world_size)
+
+    def wait_flushed(self) -> None:
+        """Until the flush in progress, if any, is on disk."""
+        if self._flusher is not None:
+            self._flusher.wait()
+
+    def _hand_over_for_flush(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
+        """A whole private copy of the version for the flusher, unless a flush is still
+        running on any rank (then this version is skipped: flushes never queue)."""
+        busy = torch.tensor([int(self._flusher.busy())], dtype=torch.int64)
+        if self._gloo is not None:
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._gloo)
+        if busy.item():
+            print(f"ftmem: version {record.version} not flushed: the previous flush is still running "
+                  f"(the disk is slower than persist.interval saves)", flush=True)
+            return
+        stream = self._gather_replicated(record.plan, slot_bytes) if record.plan.shard else None
+        tensors = read_from_slot(slot_bytes, record.plan, torch.device("cpu"), stream)
+        self._flusher.start(record.version, join_state(record.skeleton, tensors))
 
     def _protect(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
         lengths, records, piece = self._column.exchange_info(record)
@@ -346,6 +374,7 @@ class SnapshotEngine:
         self._closed = True
         try:
             self.wait()
+            self.wait_flushed()
         finally:
             self._copier.shutdown(wait=True)
             self._unmap()

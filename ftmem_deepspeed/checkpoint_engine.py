@@ -24,10 +24,13 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from ftmem import FtmemConfig, ParallelLayout, SnapshotEngine
-from ftmem.errors import FtmemError
+from ftmem.errors import FtmemError, NotRecoverableFromMemory
 from ftmem.lifecycle import close_at_exit
 from ftmem.rng import rng_states, set_rng_states
+from ftmem.persist import flushed
 from ftmem.slots import write_atomically
+
+from .persist import DeepSpeedFlushTarget, rng_file
 
 STUB_MAGIC = "ftmem in-memory checkpoint stub"
 
@@ -117,6 +120,9 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._handle = None
         self._restored: Optional[dict] = None
         self._restore_tried = False
+        self._disk_dir: Optional[str] = None  # the persisted checkpoint a restart fell back to
+        if self.config.persist.dir:
+            self.snapshots.persist_with(DeepSpeedFlushTarget(dist.get_rank(), self._dp_ranks[0] == dist.get_rank()))
         close_at_exit(self.snapshots)
 
     # -- DeepSpeed's interface ----------------------------------------------------------
@@ -152,6 +158,9 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if not is_stub(path):  # a checkpoint written by another engine: stock behaviour
             return torch.load(path, map_location=map_location, weights_only=False)
         state = self._restore()
+        if self._disk_dir is not None:  # memory could not serve: the persisted checkpoint's copy of this file
+            return torch.load(os.path.join(self._disk_dir, os.path.basename(path)), map_location=map_location,
+                              weights_only=False)
         key = file_key(path)
         if state is not None and key not in state["files"] and state["tag"] == os.path.basename(os.path.dirname(path)):
             return read_stub(path)["metadata"]  # another rank's file of the restored version
@@ -180,6 +189,11 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if self._handle is not None:
             self._handle.wait_committed()
 
+    def wait_flushed(self) -> None:
+        """Until the last snapshot is protected and any flush to the persist dir is done."""
+        self.wait_protected()
+        self.snapshots.wait_flushed()
+
     def _version(self) -> int:
         steps = {sd.get("global_steps") for sd in self._files.values() if isinstance(sd, dict)} - {None}
         if len(steps) != 1:
@@ -193,8 +207,14 @@ class FtmemCheckpointEngine(CheckpointEngine):
         """Restore once per process, at DeepSpeed's first load (all ranks reach it together)."""
         if not self._restore_tried:
             self._restore_tried = True
-            restored = self.snapshots.restore()
-            if restored is not None:
+            try:
+                restored = self.snapshots.restore()
+                reason = "memory holds no version"
+            except NotRecoverableFromMemory as e:
+                restored, reason = None, str(e)
+            if restored is None and self.config.persist.dir and flushed(self.config.persist.dir):
+                self._restore_from_disk(reason)
+            elif restored is not None:
                 self._restored = restored.state
                 self._share_layer_files(restored.state["files"])
                 set_rng_states(restored.state["rng"])
@@ -202,6 +222,14 @@ class FtmemCheckpointEngine(CheckpointEngine):
                 print(f"ftmem: restored iteration {restored.version} from memory "
                       f"(rank {self.snapshots.rank}, tag {restored.state['tag']}{how})", flush=True)
         return self._restored
+
+    def _restore_from_disk(self, reason: str) -> None:
+        """Serve DeepSpeed's loads from the newest flushed checkpoint, whatever tag it asks for."""
+        newest = flushed(self.config.persist.dir)[-1]
+        self._disk_dir = os.path.join(self.config.persist.dir, newest["name"])
+        set_rng_states(torch.load(os.path.join(self._disk_dir, rng_file(dist.get_rank())), weights_only=False))
+        print(f"ftmem: restored iteration {newest['version']} from disk {self._disk_dir} (rank {dist.get_rank()}; "
+              f"memory could not serve: {reason})", flush=True)
 
     def _share_layer_files(self, files: dict) -> None:
         """The pipeline engine writes a stage's layer files from its first DP replica only,

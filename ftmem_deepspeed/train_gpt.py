@@ -12,7 +12,7 @@ checkpoint files and groups are those of a model-parallel job). It saves with ``
 and, with ``--load``, resumes with ``engine.load_checkpoint`` — the training script
 does not know which engine serves them. ``--out`` gets per-rank losses and final
 weights (for bitwise comparisons); ``--stop-after N`` waits, once step N's snapshot
-is protected, to be killed (for the crash tests).
+is protected (and flushed, with ``"persist"``), to be killed (for the crash tests).
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def main(argv=None) -> None:
         if (step + 1) % args.save_interval == 0:
             engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1})
         if step == args.stop_after:
-            engine.checkpoint_engine.wait_protected()
+            engine.checkpoint_engine.wait_flushed()
             print(f"rank {rank}: stopped after step {step}; waiting to be killed", flush=True)
             while True:
                 time.sleep(3600)

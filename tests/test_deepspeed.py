@@ -1,6 +1,7 @@
 """The real DeepSpeed (CPU, gloo) checkpointing through ftmem: ranks SIGKILLed, a
 whole virtual node lost, the job resumed with load_checkpoint, bitwise equal to an
 uninterrupted run (per-step losses and final weights)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from conftest import free_shm_dir, job_id, new_shm_dir
 from ftmem import jobs
@@ -155,3 +157,66 @@ def test_resumes_from_checkpoints_of_the_default_engine(shm_dir, tmp_path):
     assert "rank 0: resuming at step 3 (client_state)" in switched.log(0)
     assert "checkpoint engine FtmemCheckpointEngine" in switched.log(0)
     assert "from memory" not in switched.log(0)
+
+
+def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(shm_dir, tmp_path):
+    """k=2, m=1 over 3 nodes, every 3rd protected version flushed to disk. Two nodes lost:
+    memory cannot serve, the job resumes from the flushed version bitwise; the flushed
+    directory is a stock DeepSpeed checkpoint (loads without ftmem, zero_to_fp32 converts it)."""
+    persist = str(tmp_path / "persist")
+    ftmem = {"persist": {"dir": persist, "interval": 3, "keep": 1}}
+    ref = reference("zero1.json", 3, str(tmp_path / "reference"))
+    job = DSJob("zero1.json", 3, shm_dir, str(tmp_path / "run"), ftmem=ftmem)
+    with job.start("--stop-after", str(STOP)) as run:  # versions 1..4 saved; 3 flushed
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(3)), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    assert sorted(os.listdir(persist)) == ["ftmem_flushed.json", "global_step3", "latest", "zero_to_fp32.py",
+                                           "zero_to_torch.py"]
+    jobs.lose_node(shm_dir, job.job, 0)
+    jobs.lose_node(shm_dir, job.job, 1)
+    assert job.run("--load") == [0] * 3, job.log(0)[-5000:]
+    for rank in range(3):
+        assert f"ftmem: restored iteration 3 from disk {persist}/global_step3 (rank {rank}; memory could not serve" \
+            in job.log(rank)
+        assert f"rank {rank}: resuming at step 3 (client_state)" in job.log(rank)
+    assert "EC group of nodes [0, 1, 2] (k=2, m=1) lacks node(s) [0, 1]" in job.log(0)  # the reason
+    assert_same_training(job.out, ref, 3, ITERS)
+    assert jobs.list_jobs(shm_dir) == []
+    with open(os.path.join(persist, "latest")) as f:
+        assert f.read() == f"global_step{ITERS}"  # the last flush of the resumed run; keep=1 pruned step 3
+    assert not os.path.exists(os.path.join(persist, "global_step3"))
+
+    # Stock DeepSpeed (its default engine, the same 3 ranks), with no ftmem module loaded, loads it.
+    gpt_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ftmem_deepspeed", "gpt.py")
+    config = json.load(open(os.path.join(CONFIGS, "zero1.json")))
+    del config["checkpoint"], config["ftmem"]
+    (tmp_path / "stock_load.py").write_text(textwrap.dedent(f"""
+        import importlib.util, sys
+        import deepspeed.ops
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        import deepspeed
+        spec = importlib.util.spec_from_file_location("gpt", {gpt_file!r})
+        gpt = sys.modules["gpt"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gpt)
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = gpt.GPT(gpt.GPTConfig())
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={config!r})
+        path, client_state = engine.load_checkpoint({persist!r})
+        assert not [m for m in sys.modules if m.startswith("ftmem")], [m for m in sys.modules if "ftmem" in m]
+        print("STOCK LOADED", path, engine.global_steps, client_state["next_step"], flush=True)
+    """))
+    stock = LocalJob("stock_load", [], 3, job_id(), str(tmp_path / "stock"),
+                     env={"PYTHONPATH": str(tmp_path), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **ENV})
+    assert stock.wait(TIMEOUT) == [0] * 3, LocalJob.read_log(str(tmp_path / "stock"), 0)[-3000:]
+    for rank in range(3):
+        assert f"STOCK LOADED {persist}/global_step{ITERS}/mp_rank_00_model_states.pt {ITERS} {ITERS}" in \
+            LocalJob.read_log(str(tmp_path / "stock"), rank)
+
+    # DeepSpeed's own converter, as copied beside the checkpoint (its CLI also wants
+    # huggingface_hub for sharding, so its function is called): the final weights.
+    spec = importlib.util.spec_from_file_location("zero_to_fp32", os.path.join(persist, "zero_to_fp32.py"))
+    zero_to_fp32 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zero_to_fp32)
+    weights = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(persist)
+    final = torch.load(os.path.join(job.out, "rank0.final.pt"))
+    assert weights.keys() == final.keys() and all(torch.equal(weights[k], final[k]) for k in final)

@@ -1,0 +1,139 @@
+"""The persistent tier: protected versions flushed to disk in the background, in the
+framework's own checkpoint layout, for the failures memory cannot survive.
+
+Every ``persist.interval`` protected versions the engine hands the :class:`Flusher` a
+private, whole copy of the version (the DP-sharded replicated state gathered back from
+the replicas), so a flush never holds a slot that a newer save needs. If a flush is
+still running on any rank when the next one is due, that version is skipped and
+logged: flushes never queue. A flush writes this rank's files through the adapter's
+:class:`FlushTarget` into ``<dir>/.<name>.tmp``; once every rank has written its part
+(an all-reduce on the flusher's own gloo group), rank 0 renames it to ``<dir>/<name>``,
+updates the framework's pointer (DeepSpeed's ``latest``) and deletes the oldest
+flushes beyond ``keep``. A crash before the rename leaves the previous checkpoint the
+newest valid one.
+
+The flushing runs in a thread of each training process rather than in the SMP:
+writing a DP replica's files needs the replicated state the other replicas hold, and
+only the training processes have the process groups to gather it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .config import PersistConfig
+from .slots import write_atomically
+
+log = logging.getLogger("ftmem")
+
+MANIFEST = "ftmem_flushed.json"  # what this tier completed, oldest first: [{"name", "version"}]
+PROGRESS_EVERY_S = 5.0
+
+
+class FlushTarget(Protocol):
+    """What an adapter tells the flusher about its framework's layout."""
+
+    def name(self, version: int, state: Any) -> str:
+        """The checkpoint's directory name under the persist dir (DeepSpeed: the tag)."""
+
+    def write(self, state: Any, directory: str, wrote: Callable[[int], None]) -> None:
+        """Write this rank's files of ``state`` into ``directory``; call ``wrote(nbytes)`` after each."""
+
+    def publish(self, root: str, name: str) -> None:
+        """On rank 0, after ``<root>/<name>`` is complete: point the framework at it."""
+
+
+def flushed(root: str) -> list[dict]:
+    """The checkpoints this tier completed under ``root``, oldest first:
+    ``{"name": directory name, "version": version}``."""
+    try:
+        with open(os.path.join(root, MANIFEST)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return []
+
+
+class Flusher:
+    """One rank's side of the persistent tier. Construction is collective (a gloo group)."""
+
+    def __init__(self, config: PersistConfig, target: FlushTarget, rank: int, world_size: int):
+        self.config, self.target, self.rank = config, target, rank
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._protected = 0
+        self._thread: Optional[threading.Thread] = None
+        os.makedirs(config.dir, exist_ok=True)
+
+    def due(self) -> bool:
+        """Called once per protected version, in the same order on every rank."""
+        self._protected += 1
+        return self._protected % self.config.interval == 0
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, version: int, state: Any) -> None:
+        self._thread = threading.Thread(target=self._flush, args=(version, state), name="ftmem-flush", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def _flush(self, version: int, state: Any) -> None:
+        name = self.target.name(version, state)
+        root = self.config.dir
+        staging = os.path.join(root, f".{name}.tmp")
+        written, started = 0, time.monotonic()
+        reported = started
+
+        def wrote(nbytes: int) -> None:
+            nonlocal written, reported
+            written += nbytes
+            now = time.monotonic()
+            if now - reported >= PROGRESS_EVERY_S:
+                reported = now
+                print(f"ftmem: rank {self.rank} flushing version {version}: {written / 2**20:.1f} MiB written, "
+                      f"{written / (now - started) / 1e9:.2f} GB/s", flush=True)
+
+        ok = True
+        try:
+            os.makedirs(staging, exist_ok=True)
+            self.target.write(state, staging, wrote)
+        except Exception as e:  # a disk problem must not kill training: memory still protects it
+            log.error("ftmem: rank %d could not flush version %d to %s: %s", self.rank, version, staging, e)
+            ok = False
+        if self._group is not None:
+            everyone_ok = torch.tensor([int(ok)], dtype=torch.int64)
+            dist.all_reduce(everyone_ok, op=dist.ReduceOp.MIN, group=self._group)
+            ok = bool(everyone_ok.item())
+        seconds = time.monotonic() - started
+        if not ok:
+            newest = flushed(root)[-1]["name"] if flushed(root) else "no checkpoint"
+            print(f"ftmem: version {version} was not flushed (a rank failed to write it); "
+                  f"{newest} stays the newest on disk", flush=True)
+            return
+        if self.rank == 0:
+            self._publish(name, version)
+        print(f"ftmem: rank {self.rank} flushed version {version} to {os.path.join(root, name)}: "
+              f"{written / 2**20:.1f} MiB in {seconds:.2f} s ({written / max(seconds, 1e-9) / 1e9:.2f} GB/s)",
+              flush=True)
+
+    def _publish(self, name: str, version: int) -> None:
+        root = self.config.dir
+        final = os.path.join(root, name)
+        if os.path.isdir(final):  # the same version flushed again (a restarted job): the new one wins
+            shutil.rmtree(final)
+        os.rename(os.path.join(root, f".{name}.tmp"), final)
+        self.target.publish(root, name)
+        done = [c for c in flushed(root) if c["name"] != name] + [{"name": name, "version": version}]
+        for old in done[:-self.config.keep]:
+            shutil.rmtree(os.path.join(root, old["name"]), ignore_errors=True)
+        write_atomically(os.path.join(root, MANIFEST), json.dumps(done[-self.config.keep:]).encode())
