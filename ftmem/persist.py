@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from . import testhooks
 from .config import PersistConfig
 from .slots import write_atomically
 
@@ -97,6 +98,7 @@ class Flusher:
         def wrote(nbytes: int) -> None:
             nonlocal written, reported
             written += nbytes
+            testhooks.at("mid_flush", self.rank, version)
             now = time.monotonic()
             if now - reported >= PROGRESS_EVERY_S:
                 reported = now

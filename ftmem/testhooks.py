@@ -5,7 +5,8 @@ reaches ``point`` while saving version v:
 
 * ``mid_copy:pause``     after half of the tensors are copied, create
   ``$FTMEM_TEST_HOOK_DIR/paused.rank<r>.v<v>`` and sleep until killed;
-* ``after_commit:kill``  SIGKILL this process right after the commit marker of v.
+* ``after_commit:kill``  SIGKILL this process right after the commit marker of v;
+* ``mid_flush:kill``     SIGKILL it once its flush of v to disk has written one file.
 """
 from __future__ import annotations
 

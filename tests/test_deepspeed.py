@@ -13,7 +13,7 @@ import torch
 
 from conftest import free_shm_dir, job_id, new_shm_dir
 from ftmem import jobs
-from ftmem.launch import LocalJob, free_port
+from ftmem.launch import LocalJob, free_port, wait_until
 from ftmem_deepspeed.checkpoint_engine import is_stub
 from trainjob import assert_same_training
 
@@ -31,8 +31,9 @@ class DSJob:
         self.args = ["--deepspeed-config", os.path.join(CONFIGS, config), "--save-dir", self.save_dir,
                      "--iters", str(ITERS), "--out", self.out, "--ftmem", json.dumps(overrides)]
 
-    def start(self, *extra) -> LocalJob:
-        return LocalJob("ftmem_deepspeed.train_gpt", self.args + list(extra), self.world, self.job, self.out, env=ENV)
+    def start(self, *extra, rank_env=None) -> LocalJob:
+        return LocalJob("ftmem_deepspeed.train_gpt", self.args + list(extra), self.world, self.job, self.out, env=ENV,
+                        rank_env=rank_env)
 
     def run(self, *extra) -> list[int]:
         return self.start(*extra).wait(TIMEOUT)
@@ -220,3 +221,24 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(shm_dir, tm
     weights = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(persist)
     final = torch.load(os.path.join(job.out, "rank0.final.pt"))
     assert weights.keys() == final.keys() and all(torch.equal(weights[k], final[k]) for k in final)
+
+
+def test_a_flush_killed_midway_leaves_the_previous_checkpoint_the_newest(shm_dir, tmp_path):
+    """Rank 0 dies after writing one file of version 4's flush: the disk still says
+    version 2, whose directory is complete, and a restart that memory cannot serve
+    resumes from it bitwise."""
+    persist = str(tmp_path / "persist")
+    ftmem = {"persist": {"dir": persist, "interval": 2, "keep": 2}}
+    ref = reference("zero1.json", 3, str(tmp_path / "reference"))
+    job = DSJob("zero1.json", 3, shm_dir, str(tmp_path / "run"), ftmem=ftmem)
+    with job.start(rank_env={0: {"FTMEM_TEST_HOOK": "mid_flush:kill:rank=0:version=4"}}) as run:
+        wait_until(lambda: run.procs[0].poll() is not None, TIMEOUT, "rank 0 killed in its flush of version 4")
+    with open(os.path.join(persist, "latest")) as f:
+        assert f.read() == "global_step2"
+    assert os.path.isdir(os.path.join(persist, ".global_step4.tmp"))  # the partial flush, never published
+    for lost in (0, 1):  # more than m=1: memory cannot serve
+        jobs.lose_node(shm_dir, job.job, lost)
+    assert job.run("--load") == [0] * 3, job.log(0)[-5000:]
+    assert f"ftmem: restored iteration 2 from disk {persist}/global_step2" in job.log(0)
+    assert_same_training(job.out, ref, 3, ITERS)
+    assert jobs.list_jobs(shm_dir) == []
