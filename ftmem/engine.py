@@ -230,6 +230,11 @@ class SnapshotEngine:
         if self._flusher is not None:
             self._flusher.wait()
 
+    @property
+    def last_flush(self) -> Optional[tuple[int, float]]:
+        """(bytes this rank wrote, seconds) of the last completed flush; None if none."""
+        return self._flusher.last_flush if self._flusher is not None else None
+
     def _hand_over_for_flush(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
         """A whole private copy of the version for the flusher, unless a flush is still
         running on any rank (then this version is skipped: flushes never queue)."""

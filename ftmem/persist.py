@@ -70,6 +70,7 @@ class Flusher:
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
         self._protected = 0
         self._thread: Optional[threading.Thread] = None
+        self.last_flush: Optional[tuple[int, float]] = None  # (bytes this rank wrote, seconds), for benchmarks
         os.makedirs(config.dir, exist_ok=True)
 
     def due(self) -> bool:
@@ -124,6 +125,7 @@ class Flusher:
             return
         if self.rank == 0:
             self._publish(name, version)
+        self.last_flush = (written, seconds)
         print(f"ftmem: rank {self.rank} flushed version {version} to {os.path.join(root, name)}: "
               f"{written / 2**20:.1f} MiB in {seconds:.2f} s ({written / max(seconds, 1e-9) / 1e9:.2f} GB/s)",
               flush=True)

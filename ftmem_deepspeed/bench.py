@@ -1,7 +1,8 @@
 """``python -m ftmem_deepspeed.bench``: DeepSpeed's default checkpoint engine against ftmem on
 the same model in one run — save_checkpoint blocking time and load_checkpoint time
-of a >= 50M-parameter GPT under ZeRO-1 on 2 ranks — and the iteration time of a
-smaller GPT saving with ftmem after every step against not saving at all.
+of a >= 50M-parameter GPT under ZeRO-1 on 2 ranks, the same save with a flush to disk
+after it (what it blocks, and the flush against DeepSpeed's torch.save) — and the
+iteration time of a smaller GPT saving with ftmem after every step against not saving.
 
 Run without arguments it starts the two ranks (LocalJob), each running
 :func:`worker` (``--worker``); rank 0 prints the figures.
@@ -34,7 +35,7 @@ MICRO_BATCH = 2
 ITERATION_CASES = {"tokens128": (2, 1), "tokens2048": (32, 1), "tokens128_one_node": (2, 2)}
 
 
-def _config(ftmem: bool, shm_dir: str, micro_batch: int, ranks_per_node: int) -> dict:
+def _config(ftmem: bool, shm_dir: str, micro_batch: int, ranks_per_node: int, persist_dir: str = None) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
@@ -43,6 +44,8 @@ def _config(ftmem: bool, shm_dir: str, micro_batch: int, ranks_per_node: int) ->
     if ftmem:
         config["checkpoint"] = {"engine": "ftmem"}
         config["ftmem"] = {"ranks_per_node": ranks_per_node, "shm_dir": shm_dir}
+        if persist_dir:
+            config["ftmem"]["persist"] = {"dir": persist_dir, "interval": 1, "keep": 1}
     return config
 
 
@@ -67,10 +70,12 @@ def worker(argv=None) -> None:
     rank = torch.distributed.get_rank()
     figures = {}
 
-    def engine_for(shape: dict, ftmem: bool, micro_batch: int = MICRO_BATCH, ranks_per_node: int = 1):
+    def engine_for(shape: dict, ftmem: bool, micro_batch: int = MICRO_BATCH, ranks_per_node: int = 1,
+                   persist_dir: str = None):
         model = GPT(GPTConfig(**shape))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=_config(ftmem, args.shm_dir, micro_batch, ranks_per_node))
+                                          config=_config(ftmem, args.shm_dir, micro_batch, ranks_per_node,
+                                                         persist_dir))
         return engine, GPTConfig(**shape)
 
     def train_step(engine, cfg, step):
@@ -107,7 +112,24 @@ def worker(argv=None) -> None:
             engine.checkpoint_engine.snapshots.close(job_finished=True)
         del engine
 
-    # 2. iteration time of the smaller GPT: ftmem save every step vs no saves. The two
+    # 2. the same saves with every version flushed to disk: what the save call blocks
+    # (the flush runs in the background), and how long a flush of this rank's files
+    # takes against DeepSpeed's own torch.save of the same checkpoint above.
+    engine, cfg = engine_for(BIG, True, persist_dir=os.path.join(args.work, "persist"))
+    saves, flushes = [], []
+    for step in range(3):
+        train_step(engine, cfg, step)
+        engine.checkpoint_engine.wait_flushed()
+        saves.append(timed(lambda: engine.save_checkpoint(os.path.join(args.work, "persisted"))))
+        engine.checkpoint_engine.wait_flushed()
+        flushes.append(engine.checkpoint_engine.snapshots.last_flush)
+    engine.checkpoint_engine.snapshots.close(job_finished=True)
+    figures["persist_save_s"] = statistics.median(saves[1:])
+    figures["flush_s"] = statistics.median(s for _, s in flushes[1:])
+    figures["flush_mb"] = flushes[-1][0] / 2**20
+    del engine
+
+    # 3. iteration time of the smaller GPT: ftmem save every step vs no saves. The two
     # engines take turns in blocks of steps, so load from outside the benchmark hits both
     # alike; before a block without saves the last snapshot is drained (protected), so
     # its background work is not billed to the engine that does not save.
@@ -151,6 +173,8 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
         "default_save_s": f["default_save_s"], "ftmem_save_s": f["ftmem_save_s"],
         "default_restore_s": f["default_restore_s"], "ftmem_restore_s": f["ftmem_restore_s"],
         "save_vs_default_x": f["default_save_s"] / f["ftmem_save_s"],
+        "persist_save_s": f["persist_save_s"], "persist_vs_memory_save_x": f["persist_save_s"] / f["ftmem_save_s"],
+        "flush_s": f["flush_s"], "flush_vs_default_save_x": f["flush_s"] / f["default_save_s"],
     }
     for case in ITERATION_CASES:
         nosave, save = f[f"iter_{case}_nosave_s"], f[f"iter_{case}_save_s"]
@@ -161,6 +185,10 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
           f"   ({result['save_vs_default_x']:.0f}x less, target >= 20x)")
     print(f"  load_checkpoint          default {result['default_restore_s']:.3f} s   "
           f"ftmem {result['ftmem_restore_s']:.3f} s")
+    print(f"  with a flush to disk after every save: save_checkpoint blocks {result['persist_save_s']:.3f} s "
+          f"({result['persist_vs_memory_save_x']:.2f}x the save without, target <= 1.05x); a flush of rank 0's "
+          f"{f['flush_mb']:.0f} MiB takes {result['flush_s']:.3f} s, {result['flush_vs_default_save_x']:.2f}x "
+          f"the default engine's whole save_checkpoint")
     print(f"smaller GPT ({SMALL}), iteration without saves vs an ftmem save every step:")
     for case, (micro_batch, ranks_per_node) in ITERATION_CASES.items():
         where = "2 nodes, mirrored" if ranks_per_node == 1 else "1 node, no cross-node parity"
