@@ -133,9 +133,15 @@ class Flusher:
     def _publish(self, name: str, version: int) -> None:
         root = self.config.dir
         final = os.path.join(root, name)
+        staging = os.path.join(root, f".{name}.tmp")
         if os.path.isdir(final):  # the same version flushed again (a restarted job): the new one wins
-            shutil.rmtree(final)
-        os.rename(os.path.join(root, f".{name}.tmp"), final)
+            aside = os.path.join(root, f".{name}.old")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
+            os.rename(staging, final)
+            shutil.rmtree(aside)
+        else:
+            os.rename(staging, final)
         self.target.publish(root, name)
         done = [c for c in flushed(root) if c["name"] != name] + [{"name": name, "version": version}]
         for old in done[:-self.config.keep]:

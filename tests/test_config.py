@@ -36,6 +36,8 @@ def test_misspelt_key_is_named_with_a_suggestion(section, named, hint):
     ({"ec": {"k": 3}}, "needs both"),
     ({"ranks_per_node": 0}, "ranks_per_node"),
     ({"shm_dir": "/no/such/dir"}, "is not a directory"),
+    ({"persist": {"dir": "/tmp/ckpt"}}, '"ftmem.persist" needs both "dir" and "interval" >= 1'),
+    ({"persist": {"interval": 10}}, '"ftmem.persist" needs both "dir" and "interval" >= 1'),
 ])
 def test_bad_values_say_what_is_wrong(section, fragment):
     with pytest.raises(ConfigError, match=fragment):
