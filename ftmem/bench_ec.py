@@ -20,7 +20,7 @@ import torch.distributed as dist
 from . import jobs
 from .codec import Codec
 from .engine import SnapshotEngine
-from .launch import LocalJob
+from .launch import report_figures, run_for_figures
 from .slots import DATA, PARITY
 
 PIECE_MB = 64
@@ -58,7 +58,7 @@ def memcpy_throughput(nbytes: int) -> float:
 
 
 def protect_worker(argv=None) -> None:
-    """One rank of the protect benchmark (run by bench_ec through LocalJob)."""
+    """One rank of the protect benchmark (run by bench_ec through run_for_figures)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=int, required=True)
     parser.add_argument("--shm-dir", required=True)
@@ -89,8 +89,8 @@ def protect_worker(argv=None) -> None:
     meta = sum(os.path.getsize(os.path.join(store.node_dir, f)) for f in os.listdir(store.node_dir)
                if f.startswith(f"rank{engine.rank:05d}.v") and not f.endswith((DATA, PARITY)))
     if engine.rank == 0:
-        print(f"PROTECT protect_s={statistics.median(protect_s[1:]):.6f} data={data} parity={parity} meta={meta} "
-              f"held={held}", flush=True)
+        report_figures({"protect_s": statistics.median(protect_s[1:]), "data": data, "parity": parity, "meta": meta,
+                        "held": held})
     engine.close(job_finished=True)
     dist.destroy_process_group()
 
@@ -100,14 +100,10 @@ def protect_time(mb_per_node: int, shm_dir: str) -> dict:
     logs = tempfile.mkdtemp(prefix="ftmem-bench-ec-")
     job = f"bench-ec-{os.getpid()}"
     try:
-        codes = LocalJob("ftmem.bench_ec", ["--mb", str(mb_per_node), "--shm-dir", shm_dir], 3, job,
-                         logs).wait(1800)
-        line = next((ln for ln in LocalJob.read_log(logs, 0).splitlines() if ln.startswith("PROTECT ")), None)
-        if codes != [0, 0, 0] or line is None:
-            raise RuntimeError(f"the protect benchmark failed (exit codes {codes}):\n{LocalJob.read_log(logs, 0)[-3000:]}")
+        return run_for_figures("ftmem.bench_ec", ["--mb", str(mb_per_node), "--shm-dir", shm_dir], 3, job, logs,
+                               "protect", 1800)
     finally:
         jobs.clean(shm_dir, job)
-    return {k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
 
 
 def bench_ec(mb_per_node: int = 1024, piece_mb: int = PIECE_MB, shm_dir: str = "/dev/shm") -> dict:

@@ -3,6 +3,7 @@ SIGKILLed and the job restarted: what torchrun does, minus its restart policy, f
 ``ftmem demo`` and the crash tests."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -93,3 +94,23 @@ class LocalJob:
 
     def __exit__(self, *exc) -> None:
         self.kill_all()
+
+
+FIGURES = "FIGURES "
+
+
+def report_figures(figures: dict) -> None:
+    """A benchmark's rank 0 hands its figures to :func:`run_for_figures`."""
+    print(FIGURES + json.dumps(figures), flush=True)
+
+
+def run_for_figures(module: str, args: Sequence[str], world_size: int, job_id: str, log_dir: str, what: str,
+                    timeout: float, env: Optional[dict] = None) -> dict:
+    """Run a benchmark's ranks and return the figures its rank 0 reported; raise with
+    the ranks' logs if one fails or none were reported."""
+    with LocalJob(module, args, world_size, job_id, log_dir, env=env) as ranks:
+        codes = ranks.wait(timeout)
+    line = next((ln for ln in LocalJob.read_log(log_dir, 0).splitlines() if ln.startswith(FIGURES)), None)
+    if codes != [0] * world_size or line is None:
+        raise RuntimeError(f"the {what} benchmark failed (exit codes {codes}):\n{ranks._tails()}")
+    return json.loads(line[len(FIGURES):])

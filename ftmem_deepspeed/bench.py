@@ -4,13 +4,12 @@ of a >= 50M-parameter GPT under ZeRO-1 on 2 ranks, the same save with a flush to
 after it (what it blocks, and the flush against DeepSpeed's torch.save) — and the
 iteration time of a smaller GPT saving with ftmem after every step against not saving.
 
-Run without arguments it starts the two ranks (LocalJob), each running
+Run without arguments it starts the two ranks (run_for_figures), each running
 :func:`worker` (``--worker``); rank 0 prints the figures.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -20,7 +19,7 @@ import time
 import torch
 
 from ftmem import jobs
-from ftmem.launch import LocalJob
+from ftmem.launch import report_figures, run_for_figures
 
 WORLD = 2
 BIG = {"hidden": 768, "layers": 8, "seq_len": 64}  # ~57M parameters
@@ -152,23 +151,18 @@ def worker(argv=None) -> None:
         engines["save"][0].checkpoint_engine.snapshots.close(job_finished=True)
         del engines
     if rank == 0:
-        print("FIGURES " + json.dumps(figures), flush=True)
+        report_figures(figures)
 
 
 def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
     work = tempfile.mkdtemp(prefix="ftmem-bench-ds-", dir=os.getcwd())
     job = f"bench-ds-{os.getpid()}"
     try:
-        codes = LocalJob("ftmem_deepspeed.bench", ["--worker", "--work", work, "--shm-dir", shm_dir], WORLD, job,
-                         os.path.join(work, "logs"), env={"DS_ACCELERATOR": "cpu"}).wait(1800)
-        log = LocalJob.read_log(os.path.join(work, "logs"), 0)
-        line = next((ln for ln in log.splitlines() if ln.startswith("FIGURES ")), None)
-        if codes != [0] * WORLD or line is None:
-            raise RuntimeError(f"the DeepSpeed benchmark failed (exit codes {codes}):\n{log[-4000:]}")
+        f = run_for_figures("ftmem_deepspeed.bench", ["--worker", "--work", work, "--shm-dir", shm_dir], WORLD, job,
+                            os.path.join(work, "logs"), "DeepSpeed", 1800, env={"DS_ACCELERATOR": "cpu"})
     finally:
         jobs.clean(shm_dir, job)
         shutil.rmtree(work, ignore_errors=True)
-    f = json.loads(line[len("FIGURES "):])
     result = {
         "default_save_s": f["default_save_s"], "ftmem_save_s": f["ftmem_save_s"],
         "default_restore_s": f["default_restore_s"], "ftmem_restore_s": f["ftmem_restore_s"],

@@ -3,7 +3,7 @@
 parallel layout in one run — what ``save_checkpoint`` blocks and what
 ``load_checkpoint`` takes into a freshly built model and optimizer.
 
-Run without ``--worker`` it starts the ranks (LocalJob), each running :func:`worker`;
+Run without ``--worker`` it starts the ranks (run_for_figures), each running :func:`worker`;
 rank 0 prints the figures, and this process prints them and a ``RESULT`` line.
 
 The model and optimizer come from the driver's building blocks
@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+
+from ftmem import jobs
+from ftmem.launch import report_figures, run_for_figures
 
 WORLD = 2
 # ~53M parameters (the embedding is 24.6M of them), ~26M per rank at TP 2.
@@ -140,7 +142,7 @@ def worker(argv=None) -> None:
         model = optimizer = scheduler = None  # free it before building the next
     checkpointing.close(job_finished=True)
     if rank == 0:
-        print("FIGURES " + json.dumps(figures), flush=True)
+        report_figures(figures)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -149,25 +151,14 @@ def bench_megatron(shape: dict = MODEL, tp: int = 2, saves: int = 3, shm_dir: st
                    timeout_s: float = 1800) -> dict:
     work = tempfile.mkdtemp(prefix="ftmem-bench-mg-", dir=os.getcwd())
     job = f"bench-mg-{os.getpid()}"
-    from ftmem import jobs
-    from ftmem.launch import LocalJob
-
     argv = ["--worker", "--work", work, "--saves", str(saves),
             *driver_argv(shape, tp, os.path.join(work, "ftmem"), shm_dir, job)]
     started = time.monotonic()
     try:
-        with LocalJob("ftmem_megatron.bench", argv, WORLD, job, os.path.join(work, "logs")) as ranks:
-            codes = ranks.wait(timeout_s)
-        log = LocalJob.read_log(os.path.join(work, "logs"), 0)
-        line = next((ln for ln in log.splitlines() if ln.startswith("FIGURES ")), None)
-        if codes != [0] * WORLD or line is None:
-            other = LocalJob.read_log(os.path.join(work, "logs"), 1)
-            raise RuntimeError(f"the Megatron benchmark failed (exit codes {codes}):\n--- rank 0 ---\n"
-                               f"{log[-4000:]}\n--- rank 1 ---\n{other[-2000:]}")
+        f = run_for_figures("ftmem_megatron.bench", argv, WORLD, job, os.path.join(work, "logs"), "Megatron", timeout_s)
     finally:
         jobs.clean(shm_dir, job)
         shutil.rmtree(work, ignore_errors=True)
-    f = json.loads(line[len("FIGURES "):])
     result = {
         "ftmem_save_s": f["ftmem_save_s"], "torch_save_s": f["torch_save_s"],
         "save_vs_torch_x": f["torch_save_s"] / f["ftmem_save_s"],
