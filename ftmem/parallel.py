@@ -10,7 +10,7 @@ the mismatch named instead of loading shards into the wrong ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 
@@ -57,6 +57,13 @@ class ParallelLayout:
         diffs = [f"{f.name} {getattr(other, f.name)} -> {getattr(self, f.name)}"
                  for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
         return "; ".join(diffs) or None
+
+
+def gather_dp_groups(mine: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Every DP group of the job, from each rank's own (collective over all ranks)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tuple(sorted(mine)))
+    return tuple(sorted(set(everyone)))
 
 
 def make_dp_groups(layout: ParallelLayout, rank: int):

@@ -119,7 +119,8 @@ class Flusher:
             ok = bool(everyone_ok.item())
         seconds = time.monotonic() - started
         if not ok:
-            newest = flushed(root)[-1]["name"] if flushed(root) else "no checkpoint"
+            done = flushed(root)
+            newest = done[-1]["name"] if done else "no checkpoint"
             print(f"ftmem: version {version} was not flushed (a rank failed to write it); "
                   f"{newest} stays the newest on disk", flush=True)
             return

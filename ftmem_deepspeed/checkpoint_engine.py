@@ -26,8 +26,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from ftmem import FtmemConfig, ParallelLayout, SnapshotEngine
 from ftmem.errors import FtmemError, NotRecoverableFromMemory
 from ftmem.lifecycle import close_at_exit
-from ftmem.rng import rng_states, set_rng_states
+from ftmem.parallel import gather_dp_groups
 from ftmem.persist import flushed
+from ftmem.rng import rng_states, set_rng_states
 from ftmem.slots import write_atomically
 
 from .persist import DeepSpeedFlushTarget, rng_file
@@ -88,12 +89,9 @@ def _layout(zero_stage: int) -> ParallelLayout:
 
     world = dist.get_world_size()
     dp_group = groups._get_sequence_data_parallel_group()
-    mine = tuple(sorted(dist.get_process_group_ranks(dp_group))) if dp_group is not None else tuple(range(world))
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    dp_groups = tuple(sorted(set(everyone)))
+    mine = dist.get_process_group_ranks(dp_group) if dp_group is not None else range(world)
     model_parallel = world // len(mine)
-    return ParallelLayout(dp_groups=dp_groups, tp_size=1, pp_size=model_parallel, zero_stage=zero_stage)
+    return ParallelLayout(dp_groups=gather_dp_groups(mine), tp_size=1, pp_size=model_parallel, zero_stage=zero_stage)
 
 
 class FtmemCheckpointEngine(CheckpointEngine):
@@ -127,7 +125,6 @@ class FtmemCheckpointEngine(CheckpointEngine):
 
     # -- DeepSpeed's interface ----------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
-        self.wait_reusable()
         self._files, self._replicated = {}, set()
 
     def makedirs(self, path, exist_ok=False) -> None:

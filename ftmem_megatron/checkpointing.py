@@ -15,7 +15,6 @@ step overwrites what is being copied (see :func:`_step_waits_for_copy`).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Optional
 
 import torch
@@ -26,10 +25,12 @@ from megatron.core.utils import unwrap_model
 from ftmem import ParallelLayout, SnapshotEngine
 from ftmem.errors import LayoutMismatch, NotRecoverableFromMemory
 from ftmem.lifecycle import close_at_exit
+from ftmem.parallel import gather_dp_groups
 from ftmem.rng import rng_states, set_rng_states
 
 from .arguments import validate_ftmem_args
 from .sharded_state import from_snapshot, replicated_paths, tensors_at, to_snapshot
+from .torch_checkpoint import RELEASE, read_tracker
 
 # Args a resumed job must share with the one that saved (beyond the parallel layout,
 # which the engine checks, and the tensors' places, which the templates check).
@@ -51,11 +52,8 @@ def _layout(args) -> ParallelLayout:
     """The job's parallel layout from megatron-core's parallel_state (collective)."""
     # Context-parallel ranks hold the same parameters too, so the replicas are the
     # DP x CP group; its size already counts CP.
-    mine = tuple(sorted(dist.get_process_group_ranks(parallel_state.get_data_parallel_group(
-        with_context_parallel=True))))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return ParallelLayout(dp_groups=tuple(sorted(set(everyone))),
+    mine = dist.get_process_group_ranks(parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return ParallelLayout(dp_groups=gather_dp_groups(mine),
                           tp_size=parallel_state.get_tensor_model_parallel_world_size(),
                           pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
                           ep_size=parallel_state.get_expert_model_parallel_world_size(),
@@ -106,7 +104,6 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler, num_f
     global _handle
     snapshots = _engine(args)
     _step_waits_for_copy(optimizer)
-    wait_before_optimizer_step()
     data, places = to_snapshot(_sharded_state(model if isinstance(model, list) else [model], optimizer,
                                               is_loading=False))
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -183,12 +180,8 @@ def close(job_finished: bool) -> None:
 
 def disk_iteration(load_dir: Optional[str]) -> int:
     """The iteration of Megatron's newest persistent checkpoint in ``load_dir``; -1 if none."""
-    tracker = os.path.join(load_dir or "", "latest_checkpointed_iteration.txt")
-    if not load_dir or not os.path.exists(tracker):
-        return -1
-    with open(tracker) as f:
-        text = f.read().strip()
-    return 0 if text == "release" else int(text)
+    found = read_tracker(load_dir) if load_dir else None
+    return -1 if found is None else 0 if found == RELEASE else found
 
 
 def _agree(problem: Optional[str]) -> Optional[str]:

@@ -27,6 +27,7 @@ import torch
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+RELEASE = "release"  # what the tracker holds for a release checkpoint (iteration 0)
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
 
@@ -129,15 +130,14 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     torch.distributed.barrier()
 
 
-def read_tracker(root: str) -> int | None:
+def read_tracker(root: str) -> int | str | None:
+    """The iteration ``latest_checkpointed_iteration.txt`` names, ``RELEASE``, or None."""
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.exists(path):
         return None
     with open(path) as f:
         text = f.read().strip()
-    if text == "release":
-        raise NotImplementedError("release checkpoints are not supported")
-    return int(text)
+    return RELEASE if text == RELEASE else int(text)
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> tuple[int, float]:
@@ -147,6 +147,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> tuple[int, f
     from megatron.core import parallel_state
 
     iteration = read_tracker(args.load)
+    if iteration == RELEASE:
+        raise NotImplementedError("release checkpoints are not supported")
     mine = -1 if iteration is None else iteration
     seen = torch.tensor([mine], dtype=torch.int64)
     torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
