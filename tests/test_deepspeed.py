@@ -194,6 +194,7 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, shm
     del stock_config["checkpoint"], stock_config["ftmem"]
     (tmp_path / "stock_load.py").write_text(textwrap.dedent(f"""
         import importlib.util, sys
+        import torch
         import deepspeed.ops
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         import deepspeed
@@ -206,6 +207,9 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, shm
         path, client_state = engine.load_checkpoint({persist!r})
         assert not [m for m in sys.modules if m.startswith("ftmem")], [m for m in sys.modules if "ftmem" in m]
         print("STOCK LOADED", path, engine.global_steps, client_state["next_step"], flush=True)
+        # Leave as a training script does: an exit with the groups still up can abort in gloo's teardown.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     """))
     stock = LocalJob("stock_load", [], 3, job_id(), str(tmp_path / "stock"),
                      env={"PYTHONPATH": str(tmp_path), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **ENV})
