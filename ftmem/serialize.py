@@ -3,8 +3,10 @@
 Tensor data is never pickled: the skeleton holds a reference (an index) in place of
 each tensor, through pickle's persistent-id hook, the same way ``torch.save`` keeps
 storages out of its pickle. Any picklable structure works (dicts, lists, tuples,
-dataclasses, OrderedDicts, ...). A tensor object that appears twice is stored once
-and comes back as one object.
+dataclasses, OrderedDicts, ...). A tensor that appears twice — the same object, or
+another view of exactly the same elements (``p.detach()`` beside ``p``, as a
+``state_dict()`` holds it) — is stored once and comes back as one object, so a state
+may carry the same tensors in two forms at no extra cost.
 """
 from __future__ import annotations
 
@@ -38,17 +40,26 @@ class _SkeletonPickler(pickle.Pickler):
     def __init__(self, buf: io.BytesIO):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
-        self._index_of: dict[int, int] = {}
+        self._index_of: dict[tuple, int] = {}
 
     def persistent_id(self, obj: Any):
         if not isinstance(obj, torch.Tensor):
             return None
         _check_plain_tensor(obj)
-        index = self._index_of.get(id(obj))
+        index = self._index_of.get(_elements(obj))
         if index is None:
-            index = self._index_of[id(obj)] = len(self.tensors)
+            index = self._index_of[_elements(obj)] = len(self.tensors)
             self.tensors.append(obj)
         return (_TENSOR_REF, index)
+
+
+def _elements(t: torch.Tensor) -> tuple:
+    """What identifies the elements a tensor views: two tensors with the same key read
+    and write the same memory in the same way. Empty tensors share no memory (their
+    storages may all start at address 0): each is itself."""
+    if t.numel() == 0:
+        return (id(t),)
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 class _SkeletonUnpickler(pickle.Unpickler):

@@ -318,3 +318,19 @@ def test_a_layout_that_does_not_fit_the_world_is_refused(shm_dir):
     with pytest.raises(ConfigError, match="does not make the world size 1"):
         SnapshotEngine({"shm_dir": shm_dir, "job_id": job_id()}, rank=0, world_size=1,
                        layout=ParallelLayout(dp_groups=((0,),), tp_size=2))
+
+
+def test_a_tensor_and_its_detached_alias_are_stored_once():
+    """A state that carries the same tensors twice (a sharded form and state_dict()'s
+    detached views) costs their bytes once; different views stay apart."""
+    from ftmem.serialize import join_state, split_state
+
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    state = {"sharded": {"w": weight}, "state_dict": {"w": weight.detach()}, "row": weight[1], "empty": [
+        torch.empty(0), torch.empty(0)]}
+    skeleton, tensors = split_state(state)
+    assert [t.shape for t in tensors] == [(4, 3), (3,), (0,), (0,)]
+    back = join_state(skeleton, [t.detach().clone() for t in tensors])
+    assert back["state_dict"]["w"] is back["sharded"]["w"] and back["row"] is not back["sharded"]["w"]
+    assert torch.equal(back["row"], weight[1].detach()) and back["empty"][0] is not back["empty"][1]
+
