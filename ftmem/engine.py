@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -118,6 +118,7 @@ class SnapshotEngine:
         self._closed = False
         self._flusher: Optional[Flusher] = None
         self._inflight: Optional[SaveHandle] = None
+        self._last_copy: Optional[Future] = None  # the copy thread's last task (it never raises)
         self._pinning = CudaPinning() if torch.cuda.is_available() else None
         self._side_streams: dict = {}
 
@@ -154,7 +155,8 @@ class SnapshotEngine:
             mm.close()
 
     # -- save -----------------------------------------------------------------
-    def save(self, state: Any, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None) -> SaveHandle:
+    def save(self, state: Any, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
+             persist: bool = False) -> SaveHandle:
         """Start snapshotting ``state`` as ``version``; returns without waiting for the copy.
 
         ``replicated(t)`` says whether tensor ``t`` is identical on every replica of
@@ -168,7 +170,12 @@ class SnapshotEngine:
         waits for that, which in a training loop has happened during the
         forward/backward. Versions increase; saving a version <= one already held
         drops the held ones from there on (a timeline the job has abandoned).
+
+        With ``persist`` (the same on every rank) the version is also flushed to disk
+        once protected, whatever the interval of :meth:`persist_with`.
         """
+        if persist and self._flusher is None:
+            raise FtmemError("save(persist=True) needs a persistent tier: call persist_with first.")
         self.wait()
         skeleton, tensors = split_state(state)
         flags = [bool(replicated(t)) for t in tensors] if (self._dp_shard and replicated) else None
@@ -184,11 +191,13 @@ class SnapshotEngine:
         handle = SaveHandle(version)
         record = CommitRecord(version=version, rank=self.rank, slot=slot, plan=plan, skeleton=skeleton,
                               layout=self.layout)
-        self._copier.submit(self._copy_and_commit, handle, record, tensors, slot_bytes, cuda_ready)
+        self._last_copy = self._copier.submit(self._copy_and_commit, handle, record, tensors, slot_bytes, cuda_ready,
+                                              persist)
         self._inflight = handle
         return handle
 
-    def _copy_and_commit(self, handle: SaveHandle, record: CommitRecord, tensors, slot_bytes, cuda_ready) -> None:
+    def _copy_and_commit(self, handle: SaveHandle, record: CommitRecord, tensors, slot_bytes, cuda_ready,
+                         persist: bool) -> None:
         version = record.version
         try:
             self.store.drop_slot(record.slot)  # what the slot held becomes invisible first
@@ -215,19 +224,24 @@ class SnapshotEngine:
                 if self._column is not None:
                     self.store.write_protected(version)
             handle._set_committed()
-            if self._flusher is not None and self._flusher.due():
+            if self._flusher is not None and self._flusher.due(asked=persist):
                 self._hand_over_for_flush(record, slot_bytes)
         except BaseException as e:
             handle._fail(e)
 
-    def persist_with(self, target: FlushTarget) -> None:
-        """Flush every ``persist.interval``-th protected version to ``persist.dir`` through
-        ``target`` (see :mod:`ftmem.persist`). Collective: every rank, once."""
-        self._flusher = Flusher(self.config.persist, target, self.rank, self.identity.world_size)
+    def persist_with(self, target: FlushTarget, root: str, interval: int = 0, keep: Optional[int] = None) -> None:
+        """Flush protected versions to ``root`` through ``target`` (see :mod:`ftmem.persist`):
+        those saved with ``persist=True`` and, with ``interval`` > 0, every interval-th
+        one. ``keep``: how many flushed checkpoints to retain (None: all). Collective:
+        every rank, once."""
+        self._flusher = Flusher(root, interval, keep, target, self.rank, self.identity.world_size)
 
     def wait_flushed(self) -> None:
-        """Until the flush in progress, if any, is on disk."""
+        """Until every save so far is protected and any flush it started is on disk (or
+        failed, logged)."""
         if self._flusher is not None:
+            if self._last_copy is not None:
+                self._last_copy.result()  # the copy thread has handed over what was due
             self._flusher.wait()
 
     @property

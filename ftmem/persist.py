@@ -1,15 +1,16 @@
 """The persistent tier: protected versions flushed to disk in the background, in the
 framework's own checkpoint layout, for the failures memory cannot survive.
 
-Every ``persist.interval`` protected versions the engine hands the :class:`Flusher` a
+Every ``persist.interval``-th protected version, and every version an adapter asks for
+(Megatron's persistent saves), the engine hands the :class:`Flusher` a
 private, whole copy of the version (the DP-sharded replicated state gathered back from
 the replicas), so a flush never holds a slot that a newer save needs. If a flush is
 still running on any rank when the next one is due, that version is skipped and
 logged: flushes never queue. A flush writes this rank's files through the adapter's
 :class:`FlushTarget` into ``<dir>/.<name>.tmp``; once every rank has written its part
 (an all-reduce on the flusher's own gloo group), rank 0 renames it to ``<dir>/<name>``,
-updates the framework's pointer (DeepSpeed's ``latest``) and deletes the oldest
-flushes beyond ``keep``. A crash before the rename leaves the previous checkpoint the
+updates the framework's pointer (DeepSpeed's ``latest``, Megatron's
+``latest_checkpointed_iteration.txt``) and deletes the oldest flushes beyond ``keep``. A crash before the rename leaves the previous checkpoint the
 newest valid one.
 
 The flushing runs in a thread of each training process rather than in the SMP:
@@ -30,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from . import testhooks
-from .config import PersistConfig
 from .slots import write_atomically
 
 log = logging.getLogger("ftmem")
@@ -65,18 +65,20 @@ def flushed(root: str) -> list[dict]:
 class Flusher:
     """One rank's side of the persistent tier. Construction is collective (a gloo group)."""
 
-    def __init__(self, config: PersistConfig, target: FlushTarget, rank: int, world_size: int):
-        self.config, self.target, self.rank = config, target, rank
+    def __init__(self, root: str, interval: int, keep: Optional[int], target: FlushTarget, rank: int,
+                 world_size: int):
+        self.root, self.interval, self.keep, self.target, self.rank = root, interval, keep, target, rank
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
         self._protected = 0
         self._thread: Optional[threading.Thread] = None
         self.last_flush: Optional[tuple[int, float]] = None  # (bytes this rank wrote, seconds), for benchmarks
-        os.makedirs(config.dir, exist_ok=True)
+        os.makedirs(root, exist_ok=True)
 
-    def due(self) -> bool:
-        """Called once per protected version, in the same order on every rank."""
+    def due(self, asked: bool) -> bool:
+        """Called once per protected version, in the same order on every rank: whether to
+        flush it — ``asked`` for this version by the adapter, or the interval-th one."""
         self._protected += 1
-        return self._protected % self.config.interval == 0
+        return asked or (self.interval > 0 and self._protected % self.interval == 0)
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -91,7 +93,7 @@ class Flusher:
 
     def _flush(self, version: int, state: Any) -> None:
         name = self.target.name(version, state)
-        root = self.config.dir
+        root = self.root
         staging = os.path.join(root, f".{name}.tmp")
         written, started = 0, time.monotonic()
         reported = started
@@ -132,19 +134,26 @@ class Flusher:
               flush=True)
 
     def _publish(self, name: str, version: int) -> None:
-        root = self.config.dir
-        final = os.path.join(root, name)
-        staging = os.path.join(root, f".{name}.tmp")
-        if os.path.isdir(final):  # the same version flushed again (a restarted job): the new one wins
-            aside = os.path.join(root, f".{name}.old")
-            shutil.rmtree(aside, ignore_errors=True)
-            os.rename(final, aside)
-            os.rename(staging, final)
-            shutil.rmtree(aside)
-        else:
-            os.rename(staging, final)
-        self.target.publish(root, name)
-        done = [c for c in flushed(root) if c["name"] != name] + [{"name": name, "version": version}]
-        for old in done[:-self.config.keep]:
-            shutil.rmtree(os.path.join(root, old["name"]), ignore_errors=True)
-        write_atomically(os.path.join(root, MANIFEST), json.dumps(done[-self.config.keep:]).encode())
+        publish(self.root, f".{name}.tmp", name, version, self.target.publish, self.keep)
+
+
+def publish(root: str, staging: str, name: str, version: int, point_at: Callable[[str, str], None],
+            keep: Optional[int]) -> None:
+    """Make the complete directory ``<root>/<staging>`` the checkpoint ``<root>/<name>``:
+    rename it, point the framework at it (``point_at(root, name)``), record it in the
+    manifest and delete the oldest beyond ``keep`` (None: keep all)."""
+    final = os.path.join(root, name)
+    if os.path.isdir(final):  # the same version written again (a restarted job): the new one wins
+        aside = os.path.join(root, f".{name}.old")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(os.path.join(root, staging), final)
+        shutil.rmtree(aside)
+    else:
+        os.rename(os.path.join(root, staging), final)
+    point_at(root, name)
+    done = [c for c in flushed(root) if c["name"] != name] + [{"name": name, "version": version}]
+    retired, kept = (done[:-keep], done[-keep:]) if keep else ([], done)
+    for old in retired:
+        shutil.rmtree(os.path.join(root, old["name"]), ignore_errors=True)
+    write_atomically(os.path.join(root, MANIFEST), json.dumps(kept).encode())

@@ -120,7 +120,9 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._restore_tried = False
         self._disk_dir: Optional[str] = None  # the persisted checkpoint a restart fell back to
         if self.config.persist.dir:
-            self.snapshots.persist_with(DeepSpeedFlushTarget(dist.get_rank(), self._dp_ranks[0] == dist.get_rank()))
+            persist = self.config.persist
+            self.snapshots.persist_with(DeepSpeedFlushTarget(dist.get_rank(), self._dp_ranks[0] == dist.get_rank()),
+                                        persist.dir, persist.interval, persist.keep)
         close_at_exit(self.snapshots)
 
     # -- DeepSpeed's interface ----------------------------------------------------------

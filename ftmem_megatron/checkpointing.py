@@ -19,18 +19,18 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
 from ftmem import ParallelLayout, SnapshotEngine
 from ftmem.errors import LayoutMismatch, NotRecoverableFromMemory
 from ftmem.lifecycle import close_at_exit
 from ftmem.parallel import gather_dp_groups
-from ftmem.rng import rng_states, set_rng_states
 
 from .arguments import validate_ftmem_args
+from .persist import MegatronFlushTarget, flushes_from_memory, torch_format
 from .sharded_state import from_snapshot, replicated_paths, tensors_at, to_snapshot
-from .torch_checkpoint import RELEASE, read_tracker
+from .torch_checkpoint import RELEASE, own_rng_state, read_tracker, set_rng_state
 
 # Args a resumed job must share with the one that saved (beyond the parallel layout,
 # which the engine checks, and the tensors' places, which the templates check).
@@ -46,6 +46,7 @@ WRITES_BEFORE_STEP = ("overlap_param_gather", "moe_router_enable_expert_bias", "
 
 _snapshots: Optional[SnapshotEngine] = None
 _handle = None
+_memory_failed: Optional[str] = None  # why memory could not serve the last load, for the disk load's log line
 
 
 def _layout(args) -> ParallelLayout:
@@ -66,6 +67,9 @@ def _engine(args) -> SnapshotEngine:
     if _snapshots is None:
         _snapshots = SnapshotEngine(validate_ftmem_args(args), layout=_layout(args))
         close_at_exit(_snapshots)
+        if flushes_from_memory(args):
+            writer = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+            _snapshots.persist_with(MegatronFlushTarget(first_replica=writer), args.save)
     return _snapshots
 
 
@@ -99,13 +103,18 @@ def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
 
 
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                    args, **_megatron_extras) -> None:
-    """Start the snapshot of ``iteration`` (collective: every rank, same iteration)."""
+                    args, persistent: bool = False, **_megatron_extras) -> None:
+    """Start the snapshot of ``iteration`` (collective: every rank, same iteration).
+    ``persistent``: Megatron's persistent save, which the snapshot's flush writes to
+    ``args.save`` in the background (only where :func:`flushes_from_memory`)."""
     global _handle
+    if persistent and not flushes_from_memory(args):
+        raise ValueError("ftmem writes persistent checkpoints only with --ckpt-format torch and without the "
+                         "distributed optimizer; Megatron's own save_checkpoint writes the others.")
     snapshots = _engine(args)
     _step_waits_for_copy(optimizer)
-    data, places = to_snapshot(_sharded_state(model if isinstance(model, list) else [model], optimizer,
-                                              is_loading=False))
+    model = model if isinstance(model, list) else [model]
+    data, places = to_snapshot(_sharded_state(model, optimizer, is_loading=False))
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     shared = tensors_at(data, replicated_paths(places, dp_group))
     replicated = {id(t) for t in shared}
@@ -115,14 +124,15 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler, num_f
         "sharded": data,
         "places": places,
         "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
-        "rng": rng_states(),
-        "rng_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "rng": own_rng_state(),
         "iteration": iteration,
         "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
         "args": {name: getattr(args, name, None) for name in COMPATIBILITY_ARGS},
         "progress": {name: getattr(args, name) for name in PROGRESS_ARGS if hasattr(args, name)},
+        # After "sharded": its tensors are the same ones, stored once, with the flags above.
+        "torch_format": torch_format(unwrap_model(model), optimizer, args, persistent),
     }
-    _handle = snapshots.save(state, iteration, replicated=lambda t: id(t) in replicated)
+    _handle = snapshots.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent)
     if any(getattr(args, name, False) for name in WRITES_BEFORE_STEP):
         _handle.wait_reusable()
 
@@ -167,6 +177,14 @@ def wait_protected() -> None:
         _handle.wait_committed()
 
 
+def wait_flushed() -> None:
+    """Until the last snapshot is protected and the persistent checkpoint being written
+    from memory, if any, is on disk. Before the process groups go away: the flush agrees
+    on its result over one."""
+    if _snapshots is not None:
+        _snapshots.wait_flushed()
+
+
 def close(job_finished: bool) -> None:
     """Close this rank's engine now (collective in effect: every rank should). With
     ``job_finished`` the job's snapshots are freed once all ranks have closed; without,
@@ -203,17 +221,24 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, **_megatron_ext
     than the persistent checkpoint in ``args.load``; returns ``(iteration,
     num_floating_point_operations_so_far)``, or None to let Megatron load from disk
     (collective)."""
+    global _memory_failed
     snapshots = _engine(args)
     on_disk = disk_iteration(args.load)
+    _memory_failed = None
     try:
         restored = snapshots.restore()
     except LayoutMismatch as e:
         return _fall_back(args, str(e), on_disk)
     except NotRecoverableFromMemory as e:
+        _memory_failed = str(e)
         print(f"ftmem: memory cannot serve this restart ({e}); loading the persistent checkpoint from {args.load}",
               flush=True)
         return None
-    if restored is None or restored.version <= on_disk:
+    # The same iteration in memory and on disk (a flushed version): memory is faster.
+    if restored is None or restored.version < on_disk:
+        if on_disk >= 0:
+            _memory_failed = ("memory holds no version of this job" if restored is None else
+                              f"memory's newest version {restored.version} is older than iteration {on_disk} on disk")
         return None
     state = restored.state
     model = model if isinstance(model, list) else [model]
@@ -237,8 +262,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, **_megatron_ext
             optimizer.load_state_dict(filled["optimizer"])
     if opt_param_scheduler is not None:
         opt_param_scheduler.load_state_dict(state["scheduler"])
-    set_rng_states(state["rng"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker"])
+    set_rng_state(state["rng"])
     for name, value in state["progress"].items():
         setattr(args, name, value)
     how = ", rebuilt from parity" if restored.rebuilt else ""
@@ -246,7 +270,22 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args, **_megatron_ext
     return state["iteration"], state["num_floating_point_operations_so_far"]
 
 
+def report_disk_load(iteration: int, args) -> None:
+    """After Megatron loaded ``iteration`` from ``--load`` because memory could not serve:
+    the log line every ftmem adapter writes on a fallback to disk."""
+    if _memory_failed is None:
+        return
+    if iteration > 0:
+        print(f"ftmem: restored iteration {iteration} from disk {args.load} (rank {dist.get_rank()}; memory could not "
+              f"serve: {_memory_failed})", flush=True)
+    else:
+        print(f"ftmem: memory could not serve ({_memory_failed}) and {args.load} holds no checkpoint: rank "
+              f"{dist.get_rank()} starts from scratch", flush=True)
+
+
 def _fall_back(args, problem: str, on_disk: int) -> None:
+    global _memory_failed
+    _memory_failed = problem
     if not args.ftmem_allow_disk_fallback:
         raise LayoutMismatch(f"ftmem: {problem} Restart with the layout and model the job was saved with, or pass "
                              f"--ftmem-allow-disk-fallback to load the persistent checkpoint from --load "

@@ -9,11 +9,16 @@ The hooks, each a wrapper of a module global that Megatron-LM looks up at call t
 * ``arguments.validate_args`` lets ``in_memory`` through its check of the type (which
   knows "global" and "local" only) and then checks the ftmem flags with
   :func:`~ftmem_megatron.arguments.validate_ftmem_args`.
-* ``checkpointing.save_checkpoint`` hands non-persistent saves to ftmem, and
-  ``checkpointing.load_checkpoint`` asks ftmem first; both names are also replaced
-  where modules imported them by name (``megatron.training.training``). When memory
-  has nothing newer than the disk, Megatron loads from ``--load`` as usual, with no
-  non-persistent checkpoint of its own to look for.
+* ``checkpointing.save_checkpoint`` hands non-persistent saves to ftmem, and persistent
+  ones too where ftmem writes them from memory (``--ckpt-format torch`` without the
+  distributed optimizer, see :mod:`ftmem_megatron.persist`); ``checkpointing.load_checkpoint``
+  asks ftmem first. When memory has nothing newer than the disk, Megatron loads from
+  ``--load`` as usual, with no non-persistent checkpoint of its own to look for, and
+  ftmem logs why memory could not serve.
+* ``async_utils.maybe_finalize_async_save``, which Megatron-LM calls with
+  ``blocking=True`` before it exits, also waits for ftmem's flush in progress.
+
+Every name is also replaced where a module imported it by name (``megatron.training.training``).
 """
 from __future__ import annotations
 
@@ -22,11 +27,13 @@ import inspect
 import sys
 
 import megatron.training.arguments as mlm_arguments
+import megatron.training.async_utils as mlm_async_utils
 import megatron.training.checkpointing as mlm_checkpointing
 from megatron.training.global_vars import get_args
 
 from . import checkpointing as ftmem_checkpointing
 from .arguments import IN_MEMORY, add_ftmem_args, in_memory, validate_ftmem_args
+from .persist import flushes_from_memory
 
 # Set on args while Megatron-LM's own validate_args runs with the type hidden.
 _HIDDEN = "_ftmem_hidden_ckpt_type"
@@ -88,22 +95,27 @@ def _install_checkpointing() -> None:
     def save_checkpoint(*args, **kwargs):
         megatron_args = get_args()
         bound = save_signature.bind(*args, **kwargs)
-        if bound.arguments.get("non_persistent_ckpt", False) and in_memory(megatron_args):
+        persistent = not bound.arguments.get("non_persistent_ckpt", False)
+        if in_memory(megatron_args) and (not persistent or flushes_from_memory(megatron_args)):
             a = bound.arguments
             ftmem_checkpointing.save_checkpoint(a["iteration"], a["model"], a["optimizer"], a["opt_param_scheduler"],
-                                                a["num_floating_point_operations_so_far"], megatron_args)
+                                                a["num_floating_point_operations_so_far"], megatron_args,
+                                                persistent=persistent)
             return None
         return stock_save(*args, **kwargs)
 
     @functools.wraps(stock_load)
     def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", *args, **kwargs):
         megatron_args = get_args()
-        if in_memory(megatron_args) and load_arg == "load":
-            loaded = ftmem_checkpointing.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, megatron_args)
-            if loaded is not None:
-                _loaded_from_memory(loaded[0], megatron_args)
-                return loaded  # (iteration, num_floating_point_operations_so_far)
-        return stock_load(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
+        if not (in_memory(megatron_args) and load_arg == "load"):
+            return stock_load(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
+        loaded = ftmem_checkpointing.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, megatron_args)
+        if loaded is not None:
+            _loaded_from_memory(loaded[0], megatron_args)
+            return loaded  # (iteration, num_floating_point_operations_so_far)
+        loaded = stock_load(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
+        ftmem_checkpointing.report_disk_load(loaded[0], megatron_args)
+        return loaded
 
     # The disk load after ftmem found nothing newer: no non-persistent checkpoint of
     # Megatron's own to look for (the stock function fails on an unknown type).
@@ -117,14 +129,26 @@ def _install_checkpointing() -> None:
 
         mlm_checkpointing._get_non_persistent_iteration = _get_non_persistent_iteration
 
-    # Every module that already holds the stock functions by name (megatron.training.training
-    # does), and checkpointing itself, for modules imported later.
+    stock_finalize = mlm_async_utils.maybe_finalize_async_save
+
+    @functools.wraps(stock_finalize)
+    def maybe_finalize_async_save(blocking: bool = False, *args, **kwargs):
+        if blocking and in_memory(get_args()):
+            ftmem_checkpointing.wait_flushed()
+        return stock_finalize(blocking, *args, **kwargs)
+
+    _replace_everywhere({stock_save: save_checkpoint, stock_load: load_checkpoint,
+                         stock_finalize: maybe_finalize_async_save})
+
+
+def _replace_everywhere(replacements: dict) -> None:
+    """Every module that holds a stock function by its name (megatron.training.training
+    imports them so), and the defining modules themselves, for modules imported later."""
     for module in list(sys.modules.values()):
         names = vars(module) if module is not None and hasattr(module, "__dict__") else {}
-        if names.get("save_checkpoint") is stock_save:
-            module.save_checkpoint = save_checkpoint
-        if names.get("load_checkpoint") is stock_load:
-            module.load_checkpoint = load_checkpoint
+        for stock, wrapper in replacements.items():
+            if names.get(stock.__name__) is stock:
+                setattr(module, stock.__name__, wrapper)
 
 
 def _loaded_from_memory(iteration: int, args) -> None:

@@ -320,7 +320,6 @@ def train(args, model, optimizer, opt_param_scheduler, iteration, flops_so_far) 
     """Run iterations ``iteration + 1 .. train_iters``; returns {iteration: loss} of
     this rank (empty unless it is the loss reporter)."""
     from . import checkpointing
-    from .torch_checkpoint import save_checkpoint
 
     for chunk in model:
         chunk.train()
@@ -337,17 +336,32 @@ def train(args, model, optimizer, opt_param_scheduler, iteration, flops_so_far) 
                               time.monotonic() - started)
         # As Megatron-LM's checkpoint_and_decide_exit: a persistent save takes precedence.
         if args.save and iteration % args.save_interval == 0:
-            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args)
+            save_persistent(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args)
         elif in_memory(args) and iteration % args.non_persistent_save_interval == 0:
             checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args)
         if iteration == args.stop_after:
-            checkpointing.wait_protected()
+            checkpointing.wait_flushed()
             print(f"rank {args.rank}: stopped after iteration {iteration}; waiting to be killed", flush=True)
             while True:
                 time.sleep(60)
     if args.save and iteration % args.save_interval != 0:  # as Megatron-LM: the final state is saved too
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args)
+        save_persistent(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args)
+    checkpointing.wait_flushed()
     return losses
+
+
+def save_persistent(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args) -> None:
+    """Megatron's persistent save: from memory in the background where ftmem writes it
+    (see :mod:`ftmem_megatron.persist`), else synchronously to ``--save``."""
+    from . import checkpointing
+    from .persist import flushes_from_memory
+    from .torch_checkpoint import save_checkpoint
+
+    if flushes_from_memory(args):
+        checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args,
+                                      persistent=True)
+    else:
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args)
 
 
 # ---------------------------------------------------------------- --out (tests)
@@ -415,7 +429,10 @@ def main(argv=None) -> None:
     iteration, flops_so_far = 0, 0.0
     if args.load:
         loaded = checkpointing.load_checkpoint(model, optimizer, opt_param_scheduler, args) if in_memory(args) else None
-        iteration, flops_so_far = loaded or load_checkpoint(model, optimizer, opt_param_scheduler, args)
+        if loaded is None:
+            loaded = load_checkpoint(model, optimizer, opt_param_scheduler, args)
+            checkpointing.report_disk_load(loaded[0], args)
+        iteration, flops_so_far = loaded
     if args.rank == 0:
         print(f"pretrain_gpt: world {args.world_size} = TP {args.tensor_model_parallel_size} x "
               f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, "

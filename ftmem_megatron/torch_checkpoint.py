@@ -50,17 +50,23 @@ def checkpoint_name(root: str, iteration: int) -> str:
     return os.path.join(iteration_dir(root, iteration), rank_dir_name(), MODEL_FILENAME)
 
 
-def rng_state() -> list:
-    """This rank's RNG states, gathered over the DP group as Megatron-LM's
-    get_rng_state does: the writer stores one entry per DP rank."""
-    from megatron.core import parallel_state, tensor_parallel
+def own_rng_state() -> dict:
+    """This rank's RNG states in the form of one ``rng_state`` entry of a checkpoint."""
+    from megatron.core import tensor_parallel
 
-    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state(),
-             "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def rng_state() -> list:
+    """The DP group's RNG states, gathered as Megatron-LM's get_rng_state does: the
+    writer stores one entry per DP rank."""
+    from megatron.core import parallel_state
+
     states = [None] * parallel_state.get_data_parallel_world_size()
-    torch.distributed.all_gather_object(states, state, group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_gather_object(states, own_rng_state(), group=parallel_state.get_data_parallel_group())
     return states
 
 
@@ -77,7 +83,25 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def _save_atomically(obj, path: str) -> None:
+def model_state(model: list) -> dict:
+    """The model entries of ``model_optim_rng.pt``: ``model``, or ``model0``, ``model1``, ...
+    with virtual pipeline stages, as Megatron-LM's generate_state_dict."""
+    return {name: chunk.state_dict_for_save_checkpoint() for name, chunk in zip(_model_keys(len(model)), model)}
+
+
+def _model_keys(chunks: int) -> list[str]:
+    return ["model"] if chunks == 1 else [f"model{i}" for i in range(chunks)]
+
+
+def checkpoint_content(args, iteration: int, model_entries: dict, optimizer_state: dict, scheduler_state: dict,
+                       rng_states: list, num_floating_point_operations_so_far: float) -> dict:
+    """What one ``model_optim_rng.pt`` holds."""
+    return {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, **model_entries,
+            "optimizer": optimizer_state, "opt_param_scheduler": scheduler_state, "rng_state": rng_states,
+            "num_floating_point_operations_so_far": num_floating_point_operations_so_far}
+
+
+def save_atomically(obj, path: str) -> None:
     tmp = path + ".tmp"
     torch.save(obj, tmp)
     os.replace(tmp, path)
@@ -102,32 +126,30 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             os.makedirs(rank_dir, exist_ok=True)
         optimizer.save_parameter_state(os.path.join(rank_dir, DISTRIB_OPTIM_FILENAME))
     if is_writer:
-        state_dict = {
-            "args": args,
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": iteration,
-            "model": model[0].state_dict_for_save_checkpoint(),
-            "optimizer": optimizer.state_dict(),
-            "opt_param_scheduler": opt_param_scheduler.state_dict(),
-            "rng_state": rng_states,
-            "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
-        }
+        state_dict = checkpoint_content(args, iteration, model_state(model), optimizer.state_dict(),
+                                        opt_param_scheduler.state_dict(), rng_states,
+                                        num_floating_point_operations_so_far)
         os.makedirs(rank_dir, exist_ok=True)
-        _save_atomically(state_dict, os.path.join(rank_dir, MODEL_FILENAME))
+        save_atomically(state_dict, os.path.join(rank_dir, MODEL_FILENAME))
     torch.distributed.barrier()
 
     if args.rank == 0:
         if os.path.exists(final_dir):  # saved before (a resumed run passing the same iteration)
             shutil.rmtree(final_dir)
         os.rename(staging_dir, final_dir)
-        tracker = os.path.join(args.save, TRACKER_FILENAME)
-        with open(tracker + ".tmp", "w") as f:
-            f.write(str(iteration))
-        os.replace(tracker + ".tmp", tracker)
+        write_tracker(args.save, iteration)
         print(f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save} "
               f"[ t {parallel_state.get_tensor_model_parallel_world_size()}, "
               f"p {parallel_state.get_pipeline_model_parallel_world_size()} ]", flush=True)
     torch.distributed.barrier()
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Point ``latest_checkpointed_iteration.txt`` at ``iteration`` (atomically: the last step of a save)."""
+    tracker = os.path.join(root, TRACKER_FILENAME)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(str(iteration))
+    os.replace(tracker + ".tmp", tracker)
 
 
 def read_tracker(root: str) -> int | str | None:
@@ -162,7 +184,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> tuple[int, f
 
     path = checkpoint_name(args.load, iteration)
     state_dict = torch.load(path, map_location="cpu", weights_only=False)
-    model[0].load_state_dict(state_dict["model"], strict=True)
+    for name, chunk in zip(_model_keys(len(model)), model):
+        chunk.load_state_dict(state_dict[name], strict=True)
     optimizer.load_state_dict(state_dict["optimizer"])
     if args.use_distributed_optimizer:  # collective over DP
         # no_grad: with fp32 parameters the DistributedOptimizer's main params are views

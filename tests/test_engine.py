@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -334,3 +335,47 @@ def test_a_tensor_and_its_detached_alias_are_stored_once():
     assert back["state_dict"]["w"] is back["sharded"]["w"] and back["row"] is not back["sharded"]["w"]
     assert torch.equal(back["row"], weight[1].detach()) and back["empty"][0] is not back["empty"][1]
 
+
+class GatedLayout:
+    """A checkpoint layout (one file per version) whose writes wait for the test to open
+    a gate: a disk slower than the saves."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+
+    def name(self, version, state):
+        return f"v{version}"
+
+    def write(self, state, directory, wrote):
+        assert self.gate.wait(60)
+        torch.save(state["w"], os.path.join(directory, "w.pt"))
+        wrote(os.path.getsize(os.path.join(directory, "w.pt")))
+
+    def publish(self, root, name):
+        with open(os.path.join(root, "newest"), "w") as f:
+            f.write(name)
+
+
+def test_flushes_are_skipped_not_queued_while_the_disk_is_slower_than_the_saves(shm_dir, tmp_path, capsys):
+    from ftmem.persist import flushed
+
+    engine = make_engine(shm_dir)
+    layout = GatedLayout()
+    engine.persist_with(layout, str(tmp_path), interval=1)
+    state = {"w": torch.zeros(1000)}
+    written = {}
+    for version in range(1, 6):  # version 1's flush holds the gate; 5 committed means 4 was handed over
+        state["w"].fill_(version)
+        written[version] = state["w"].clone()
+        engine.save(state, version).wait_committed()
+    layout.gate.set()
+    engine.wait_flushed()
+    out = capsys.readouterr().out
+    for skipped in (2, 3, 4):
+        assert (f"ftmem: version {skipped} not flushed: the previous flush is still running (the disk is slower "
+                f"than persist.interval saves)") in out
+    done = flushed(str(tmp_path))
+    assert done[0] == {"name": "v1", "version": 1} and {c["version"] for c in done} <= {1, 5}
+    assert torch.equal(torch.load(tmp_path / "v1" / "w.pt"), written[1])
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+    engine.close(job_finished=True)

@@ -141,3 +141,58 @@ def test_bad_flags_stop_the_driver_before_training(drop, add, message, shm_dir, 
     codes = job.start(*add).wait(TIMEOUT)
     assert codes != [0, 0] and message in job.log(0)
     assert " iteration " not in job.log(0) and jobs.list_jobs(shm_dir) == []
+
+
+def test_losing_more_than_m_nodes_resumes_from_the_checkpoint_written_from_memory(shm_dir, tmp_path):
+    """TP 2 x DP 2 on 4 virtual nodes, one EC group with m=1. Megatron's persistent saves
+    (every 3 iterations) are snapshots flushed to --save in the background, in
+    Megatron-LM's --ckpt-format torch layout. Two nodes of the group are lost: memory
+    cannot serve, and the job resumes from the newest flushed checkpoint (iteration 3,
+    older than memory's 5), bitwise from there on."""
+    import torch
+
+    world, parallel = 4, ["--tensor-model-parallel-size", "2"]
+    ftmem = ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "2", "--ftmem-ec-m", "1"]
+
+    def every_third(job: MegatronJob) -> MegatronJob:
+        job.args[job.args.index("--save-interval") + 1] = "3"
+        return job
+
+    ref_shm = new_shm_dir()
+    try:
+        every_third(MegatronJob(world, parallel, ftmem, ref_shm, str(tmp_path / "reference"))).run(
+            str(tmp_path / "reference.json"))
+    finally:
+        free_shm_dir(ref_shm)
+    ref = read_out(str(tmp_path / "reference.json"))
+
+    job = every_third(MegatronJob(world, parallel, ftmem, shm_dir, str(tmp_path / "run")))
+    ckpt = os.path.join(job.root, "ckpt")
+    with job.start("--stop-after", "5") as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, "iteration 5")
+        run.kill_all()
+    assert f"ftmem: rank 0 flushed version 3 to {ckpt}/iter_0000003" in job.log(0)
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == "3"
+    assert sorted(os.listdir(os.path.join(ckpt, "iter_0000003"))) == ["mp_rank_00", "mp_rank_01"]
+    assert not [name for name in os.listdir(ckpt) if name.endswith(".tmp")]
+    # Megatron-LM's keys and forms: plain tensors in the model, one RNG entry per DP rank.
+    saved = torch.load(os.path.join(ckpt, "iter_0000003", "mp_rank_01", "model_optim_rng.pt"), weights_only=False)
+    assert set(saved) == {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
+                          "rng_state", "num_floating_point_operations_so_far"}
+    assert saved["iteration"] == 3 and saved["checkpoint_version"] == 3.0 and len(saved["rng_state"]) == 2
+    assert saved["args"].tensor_model_parallel_size == 2 and saved["optimizer"]["state"]
+    assert all(type(t) is torch.Tensor for t in saved["model"].values() if isinstance(t, torch.Tensor))
+
+    for node in (1, 2):
+        jobs.lose_node(shm_dir, job.job, node)
+    job.run(str(tmp_path / "resumed.json"))
+    for rank in range(world):
+        assert (f"ftmem: restored iteration 3 from disk {ckpt} (rank {rank}; memory could not serve: no version is "
+                f"recoverable from memory") in job.log(rank)
+    assert "Newest held: version 5: " in job.log(0)
+    resumed = read_out(str(tmp_path / "resumed.json"))
+    assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(4, ITERS + 1)}
+    assert resumed["digests"] == ref["digests"]
+    assert jobs.list_jobs(shm_dir) == []
+

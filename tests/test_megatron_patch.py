@@ -5,7 +5,8 @@ Megatron-LM's ``megatron/training`` ships in the megatron-core 0.19.2 wheel (wit
 own ``megatron/core``, which the probes use instead of the installed megatron-core).
 The wheel is downloaded once and cached in ~/.cache/ftmem-test/. Each probe runs
 Megatron's own parse_and_validate_args / validate_args with a tiny GPT config, then
-calls save_checkpoint(non_persistent_ckpt=True) and load_checkpoint through the names
+calls save_checkpoint (non-persistent, and persistent with --ckpt-format torch),
+load_checkpoint and the blocking maybe_finalize_async_save through the names
 megatron.training.training uses. No process groups exist in the probe, so ftmem's real
 functions (not mocks) are entered and stop where they first need them
 (parallel_state); the traceback shows the dispatch into ftmem_megatron.checkpointing.
@@ -142,6 +143,17 @@ PROBE = textwrap.dedent('''
     out["save"] = frames(lambda: T.save_checkpoint(7, [], None, None, 0.0, None, non_persistent_ckpt=True))
     out["load"] = frames(lambda: T.load_checkpoint([], None, None, checkpointing_context=None))
     out["persistent_save"] = frames(lambda: T.save_checkpoint(7, [], None, None, 0.0, None))
+    # With --ckpt-format torch, ftmem writes persistent checkpoints from memory.
+    args.ckpt_format = "torch"
+    out["persistent_save_torch"] = frames(lambda: T.save_checkpoint(7, [], None, None, 0.0, None))
+    # Megatron's blocking end of async saves (before it exits) waits for ftmem's flush:
+    # the real wait_flushed, counted on its way through.
+    import ftmem_megatron.checkpointing as F
+    real_wait, waits = F.wait_flushed, []
+    F.wait_flushed = lambda: (waits.append(1), real_wait())[1]
+    T.maybe_finalize_async_save(blocking=True)
+    T.maybe_finalize_async_save(blocking=False)
+    out["finalize_waits"] = len(waits)
     # After ftmem found nothing newer, Megatron's disk load looks for no non-persistent checkpoint.
     try:
         out["disk_non_persistent_iteration"] = C._get_non_persistent_iteration(ckpt_dir, args)
@@ -226,8 +238,7 @@ def _check_dispatch(result: dict, dispatcher: str, tree: str) -> None:
     """``dispatcher`` (file:function) calls ftmem_megatron.checkpointing's function of the
     same name, which runs until it needs the process groups."""
     ftmem_ckpt = os.path.join(REPO, "ftmem_megatron", "checkpointing.py")
-    for name in ("save", "load"):
-        call = result[name]
+    for name, call in (("save", result["save"]), ("load", result["load"]), ("save", result["persistent_save_torch"])):
         frames = call["frames"]
         entered = f"{ftmem_ckpt}:{name}_checkpoint"
         assert entered in frames, call
@@ -237,6 +248,7 @@ def _check_dispatch(result: dict, dispatcher: str, tree: str) -> None:
     persistent = result["persistent_save"]["frames"]
     assert persistent and not any(f.startswith(ftmem_ckpt) for f in persistent), result["persistent_save"]
     assert result["disk_non_persistent_iteration"] == -1
+    assert result["finalize_waits"] == 1  # the blocking call only
 
 
 def test_patch_applies_cleanly(patched_tree):

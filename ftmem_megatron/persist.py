@@ -1,0 +1,85 @@
+"""Megatron's persistent checkpoints (``--save``, ``--save-interval``) written from memory.
+
+With ``--non-persistent-ckpt-type in_memory`` and ``--ckpt-format torch``, a persistent
+save becomes an in-memory snapshot that the persistent tier (:mod:`ftmem.persist`)
+writes to ``--save`` in the background, once protected: the training loop pays for the
+copy only, as for any snapshot. The files are the ones Megatron-LM's own torch-format
+save writes — ``iter_XXXXXXX/mp_rank_XX[_YYY]/model_optim_rng.pt``, written by DP rank 0
+of each (TP, PP) position, then ``latest_checkpointed_iteration.txt`` — so Megatron-LM
+loads them without ftmem.
+
+The snapshot carries what those files hold in Megatron's own form: the model's
+``state_dict_for_save_checkpoint()`` and ``optimizer.state_dict()``. Their tensors are
+the ones the sharded state already holds, which a snapshot stores once
+(:mod:`ftmem.serialize`), so the second form costs nothing but its structure.
+
+The distributed optimizer's ``distrib_optim.pt`` is the parameter state gathered over
+DP; a snapshot holds each rank's own shard only, so with ``--use-distributed-optimizer``
+(and with any other ``--ckpt-format``) Megatron writes its persistent checkpoints
+itself, as without ftmem.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from .arguments import in_memory
+from .torch_checkpoint import (MODEL_FILENAME, checkpoint_content, iteration_dir, model_state, rank_dir_name,
+                               rng_state, save_atomically, write_tracker)
+
+
+def flushes_from_memory(args) -> bool:
+    """Whether ftmem writes this job's persistent checkpoints (see the module doc)."""
+    return (in_memory(args) and bool(getattr(args, "save", None)) and getattr(args, "ckpt_format", None) == "torch"
+            and not getattr(args, "use_distributed_optimizer", False))
+
+
+def torch_format(model: list, optimizer, args, persistent: bool) -> Optional[dict]:
+    """The parts of ``model_optim_rng.pt`` a snapshot carries beside its sharded state:
+    model and optimizer state dicts (aliases of the snapshot's tensors), the args and
+    this rank's directory name. A persistent save adds the DP ranks' RNG states, which
+    the writer stores (a collective over DP, as in Megatron-LM's save). None with the
+    distributed optimizer (see the module doc)."""
+    if getattr(args, "use_distributed_optimizer", False):
+        return None
+    content = {"model": model_state(model), "optimizer": optimizer.state_dict() if optimizer is not None else None,
+               "args": args, "rank_dir": rank_dir_name()}
+    if persistent:
+        content["rng_state"] = rng_state()
+    return content
+
+
+def write_model_optim_rng(state: Any, directory: str, wrote: Callable[[int], None]) -> None:
+    """Write a snapshot's ``model_optim_rng.pt`` under the iteration directory ``directory``.
+    ``state["torch_format"]`` must hold ``rng_state``, the DP ranks' RNG states."""
+    carried = state["torch_format"]
+    model_entries = {name: {key: value.detach() if isinstance(value, torch.Tensor) else value
+                            for key, value in entries.items()}
+                     for name, entries in carried["model"].items()}  # as state_dict() gives them: no Parameters
+    content = checkpoint_content(carried["args"], state["iteration"], model_entries, carried["optimizer"],
+                                 state["scheduler"], carried["rng_state"],
+                                 state["num_floating_point_operations_so_far"])
+    path = os.path.join(directory, carried["rank_dir"], MODEL_FILENAME)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_atomically(content, path)
+    wrote(os.path.getsize(path))
+
+
+class MegatronFlushTarget:
+    """Megatron-LM's ``--ckpt-format torch`` layout for :class:`ftmem.persist.Flusher`."""
+
+    def __init__(self, first_replica: bool):
+        self.first_replica = first_replica  # DP rank 0 of its (TP, PP) position writes; the others agree
+
+    def name(self, version: int, state: Any) -> str:
+        return os.path.basename(iteration_dir("", state["iteration"]))
+
+    def write(self, state: Any, directory: str, wrote: Callable[[int], None]) -> None:
+        if self.first_replica:
+            write_model_optim_rng(state, directory, wrote)
+
+    def publish(self, root: str, name: str) -> None:
+        write_tracker(root, int(name.removeprefix("iter_")))
+
