@@ -1,4 +1,4 @@
-"""The ``ftmem`` command: status, clean, bench, demo, survival."""
+"""The ``ftmem`` command: status, clean, export, bench, demo, survival."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,15 @@ def _cmd_clean(args) -> int:
     for job in targets:
         freed = jobs.clean(args.shm_dir, job)
         print(f"job {job}: stopped its SMPs and freed {len(freed)} node director{'y' if len(freed) == 1 else 'ies'}")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from .export import export
+
+    done = export(args.shm_dir, args.job, args.out, args.version)
+    print(f"job {args.job}: exported version {done.version} to {done.path}: {done.nbytes / 2**20:.1f} MiB written "
+          f"in {done.seconds:.2f} s ({done.nbytes / max(done.seconds, 1e-9) / 1e9:.2f} GB/s)")
     return 0
 
 
@@ -111,6 +120,11 @@ def main(argv=None) -> int:
     p = add("clean", "stop a job's SMPs and free its shared memory", _cmd_clean)
     p.add_argument("--job", help="the job (default: FTMEM_JOB_ID or TORCHELASTIC_RUN_ID)")
     p.add_argument("--all", action="store_true", help="every ftmem job in the shared-memory directory")
+    p = add("export", "write a held version to disk in the framework's own checkpoint layout", _cmd_export)
+    p.add_argument("--job", required=True, help="the job (see ftmem status)")
+    p.add_argument("--version", type=int, help="the version (default: the newest every rank holds)")
+    p.add_argument("--out", required=True, help="directory to write the checkpoint into (DeepSpeed: the tag's "
+                                                 "directory and latest; Megatron: iter_XXXXXXX and its tracker)")
     p = add("bench", "benchmarks; each ends with a RESULT line", _cmd_bench)
     p.add_argument("what", choices=["save", "ec", "megatron"],
                    help="save: blocking and copy time of a save vs torch.save and memcpy; "

@@ -25,7 +25,7 @@ def list_jobs(shm_dir: str) -> list[str]:
     return sorted(os.listdir(root)) if os.path.isdir(root) else []
 
 
-def _node_dirs(shm_dir: str, job: str) -> list[tuple[int, str]]:
+def node_dirs(shm_dir: str, job: str) -> list[tuple[int, str]]:
     job_dir = os.path.join(shm_dir, ROOT_NAME, job)
     nodes = []
     for name in os.listdir(job_dir) if os.path.isdir(job_dir) else []:
@@ -34,7 +34,7 @@ def _node_dirs(shm_dir: str, job: str) -> list[tuple[int, str]]:
     return sorted(nodes)
 
 
-def _node_ranks(path: str) -> list[int]:
+def node_ranks(path: str) -> list[int]:
     try:
         with open(os.path.join(path, NODE_FILE)) as f:
             return json.load(f)["ranks"]
@@ -44,7 +44,7 @@ def _node_ranks(path: str) -> list[int]:
 
 def node_status(node: int, path: str) -> dict:
     """One node's entry of ``ftmem status --json`` (DESIGN.md §5)."""
-    stores = [RankStore(path, r) for r in _node_ranks(path)]
+    stores = [RankStore(path, r) for r in node_ranks(path)]
     held = [set(s.committed()) for s in stores]
     protected = [s.read_protected() for s in stores]
     return {
@@ -60,7 +60,7 @@ def node_status(node: int, path: str) -> dict:
 
 def status(shm_dir: str, job: Optional[str] = None) -> dict:
     jobs = [job] if job else list_jobs(shm_dir)
-    return {"jobs": [{"job": j, "nodes": [node_status(n, p) for n, p in _node_dirs(shm_dir, j)]} for j in jobs]}
+    return {"jobs": [{"job": j, "nodes": [node_status(n, p) for n, p in node_dirs(shm_dir, j)]} for j in jobs]}
 
 
 def _stop(pid: int) -> None:
@@ -79,7 +79,7 @@ def lose_node(shm_dir: str, job: str, node: int) -> None:
     """Do to a node's snapshots what losing the node does (DESIGN.md §5): SIGKILL its
     SMP and delete its shared memory. For failure drills and tests; the node's
     training ranks are expected to be dead already."""
-    for n, path in _node_dirs(shm_dir, job):
+    for n, path in node_dirs(shm_dir, job):
         if n == node:
             pid = running_smp(path)
             if pid is not None:
@@ -94,7 +94,7 @@ def lose_node(shm_dir: str, job: str, node: int) -> None:
 def clean(shm_dir: str, job: str) -> list[str]:
     """Stop the job's SMPs and delete its shared memory; returns the paths freed."""
     freed = []
-    for _, path in _node_dirs(shm_dir, job):
+    for _, path in node_dirs(shm_dir, job):
         pid = running_smp(path)
         if pid is not None:
             _stop(pid)

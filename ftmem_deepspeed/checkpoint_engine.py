@@ -25,6 +25,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from ftmem import FtmemConfig, ParallelLayout, SnapshotEngine
 from ftmem.errors import FtmemError, NotRecoverableFromMemory
+from ftmem.export import EXPORT_WITH
 from ftmem.lifecycle import close_at_exit
 from ftmem.parallel import gather_dp_groups
 from ftmem.persist import flushed
@@ -147,7 +148,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Start the snapshot of everything saved since ``create``; returns at once."""
         version = self._version()
-        state = {"files": self._files, "rng": rng_states(), "tag": info.tag}
+        state = {"files": self._files, "rng": rng_states(), "tag": info.tag, EXPORT_WITH: DeepSpeedFlushTarget.__module__}
         replicated = self._replicated
         self._handle = self.snapshots.save(state, version, replicated=lambda t: id(t) in replicated)
         self._files, self._replicated = {}, set()

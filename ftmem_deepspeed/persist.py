@@ -4,12 +4,15 @@ the files DeepSpeed handed the engine, ``latest`` and the recovery scripts — s
 DeepSpeed loads it without ftmem installed and ``zero_to_fp32.py`` converts it. Each
 rank also writes its RNG states beside them (stock DeepSpeed ignores those files),
 which a restart from disk needs to continue bitwise.
+
+``ftmem export`` writes the same layout from shared memory (:func:`export_dp_group`);
+a snapshot names this module for it.
 """
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import deepspeed
 import torch
@@ -49,7 +52,22 @@ class DeepSpeedFlushTarget:
             wrote(os.path.getsize(path))
 
     def publish(self, root: str, name: str) -> None:
-        scripts = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
-        for script in RECOVERY_SCRIPTS:
-            shutil.copyfile(os.path.join(scripts, script), os.path.join(root, script))  # where DeepSpeed puts them
-        write_atomically(os.path.join(root, "latest"), name.encode())
+        publish(root, name)
+
+
+def publish(root: str, name: str) -> None:
+    """Point DeepSpeed at ``<root>/<name>``: ``latest``, and the recovery scripts beside it."""
+    scripts = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
+    for script in RECOVERY_SCRIPTS:
+        shutil.copyfile(os.path.join(scripts, script), os.path.join(root, script))  # where DeepSpeed puts them
+    write_atomically(os.path.join(root, "latest"), name.encode())
+
+
+def export_dp_group(group: Sequence[int], read_state: Callable[[int], Any], directory: str,
+                    wrote: Callable[[int], None]) -> str:
+    """``ftmem export``: write the files of one DP group's ranks (``read_state(rank)``
+    gives a rank's snapshot) into ``directory``; returns the checkpoint's name (the tag)."""
+    for index, rank in enumerate(group):
+        state = read_state(rank)
+        DeepSpeedFlushTarget(rank, first_replica=index == 0).write(state, directory, wrote)
+    return state["tag"]

@@ -24,6 +24,7 @@ from megatron.core.utils import unwrap_model
 
 from ftmem import ParallelLayout, SnapshotEngine
 from ftmem.errors import LayoutMismatch, NotRecoverableFromMemory
+from ftmem.export import EXPORT_WITH
 from ftmem.lifecycle import close_at_exit
 from ftmem.parallel import gather_dp_groups
 
@@ -131,6 +132,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler, num_f
         "progress": {name: getattr(args, name) for name in PROGRESS_ARGS if hasattr(args, name)},
         # After "sharded": its tensors are the same ones, stored once, with the flags above.
         "torch_format": torch_format(unwrap_model(model), optimizer, args, persistent),
+        EXPORT_WITH: MegatronFlushTarget.__module__,
     }
     _handle = snapshots.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent)
     if any(getattr(args, name, False) for name in WRITES_BEFORE_STEP):

@@ -17,13 +17,18 @@ The distributed optimizer's ``distrib_optim.pt`` is the parameter state gathered
 DP; a snapshot holds each rank's own shard only, so with ``--use-distributed-optimizer``
 (and with any other ``--ckpt-format``) Megatron writes its persistent checkpoints
 itself, as without ftmem.
+
+``ftmem export`` writes the same layout from shared memory (:func:`export_dp_group`);
+a snapshot names this module for it.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from ftmem.errors import FtmemError
 
 from .arguments import in_memory
 from .torch_checkpoint import (MODEL_FILENAME, checkpoint_content, iteration_dir, model_state, rank_dir_name,
@@ -81,5 +86,29 @@ class MegatronFlushTarget:
             write_model_optim_rng(state, directory, wrote)
 
     def publish(self, root: str, name: str) -> None:
-        write_tracker(root, int(name.removeprefix("iter_")))
+        publish(root, name)
 
+
+def publish(root: str, name: str) -> None:
+    """Point Megatron at ``<root>/<name>``: ``latest_checkpointed_iteration.txt``."""
+    write_tracker(root, int(name.removeprefix("iter_")))
+
+
+def export_dp_group(group: Sequence[int], read_state: Callable[[int], Any], directory: str,
+                    wrote: Callable[[int], None]) -> str:
+    """``ftmem export``: write the ``model_optim_rng.pt`` of one (TP, PP) position, whose
+    DP ranks are ``group`` (``read_state(rank)`` gives a rank's snapshot), into
+    ``directory``; returns the checkpoint's name (``iter_XXXXXXX``)."""
+    rng, writer = [], None
+    for index, rank in enumerate(group):
+        state = read_state(rank)
+        if state["torch_format"] is None:
+            raise FtmemError(
+                f"version {state['iteration']} was saved with --use-distributed-optimizer, whose persistent "
+                f"checkpoint (distrib_optim.pt) gathers the optimizer state over DP; ftmem cannot write it from "
+                f"memory. Let the job save with Megatron's --save instead.")
+        rng.append(state["rng"])
+        writer = state if index == 0 else writer  # DP rank 0 writes; the others lend their RNG states
+    writer["torch_format"]["rng_state"] = rng
+    write_model_optim_rng(writer, directory, wrote)
+    return os.path.basename(iteration_dir("", writer["iteration"]))

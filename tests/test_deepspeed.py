@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import free_shm_dir, job_id, new_shm_dir
+from conftest import free_shm_dir, job_id, new_shm_dir, run_cli
 from ftmem import jobs
 from ftmem.launch import LocalJob, free_port, wait_until
 from ftmem_deepspeed.checkpoint_engine import is_stub
@@ -174,6 +174,11 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, shm
         run.kill_all()
     assert sorted(os.listdir(persist)) == ["ftmem_flushed.json", "global_step3", "latest", "zero_to_fp32.py",
                                            "zero_to_torch.py"]
+    exported = str(tmp_path / "exported")
+    out = run_cli("export", "--job", job.job, "--shm-dir", shm_dir, "--out", exported)
+    newest = STOP + 1  # memory's newest version: the step after the last one trained
+    assert out.returncode == 0 and f"exported version {newest} to {exported}/global_step{newest}" in out.stdout, \
+        out.stderr
     jobs.lose_node(shm_dir, job.job, 0)
     jobs.lose_node(shm_dir, job.job, 1)
     assert job.run("--load") == [0] * 3, job.log(0)[-5000:]
@@ -189,35 +194,11 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, shm
     assert not os.path.exists(os.path.join(persist, "global_step3"))
 
     # Stock DeepSpeed (its default engine, the same 3 ranks), with no ftmem module loaded, loads it.
-    gpt_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ftmem_deepspeed", "gpt.py")
-    stock_config = json.load(open(os.path.join(CONFIGS, config)))
-    del stock_config["checkpoint"], stock_config["ftmem"]
-    (tmp_path / "stock_load.py").write_text(textwrap.dedent(f"""
-        import importlib.util, sys
-        import torch
-        import deepspeed.ops
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        import deepspeed
-        spec = importlib.util.spec_from_file_location("gpt", {gpt_file!r})
-        gpt = sys.modules["gpt"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(gpt)
-        deepspeed.init_distributed(dist_backend="gloo")
-        model = gpt.GPT(gpt.GPTConfig())
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={stock_config!r})
-        path, client_state = engine.load_checkpoint({persist!r})
-        assert not [m for m in sys.modules if m.startswith("ftmem")], [m for m in sys.modules if "ftmem" in m]
-        print("STOCK LOADED", path, engine.global_steps, client_state["next_step"], flush=True)
-        # Leave as a training script does: an exit with the groups still up can abort in gloo's teardown.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    """))
-    stock = LocalJob("stock_load", [], 3, job_id(), str(tmp_path / "stock"),
-                     env={"PYTHONPATH": str(tmp_path), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **ENV})
-    assert stock.wait(TIMEOUT) == [0] * 3, LocalJob.read_log(str(tmp_path / "stock"), 0)[-3000:]
-    for rank in range(3):
-        loaded = next(ln for ln in LocalJob.read_log(str(tmp_path / "stock"), rank).splitlines()
-                      if ln.startswith("STOCK LOADED"))
+    for rank, loaded in enumerate(stock_deepspeed_load(config, persist, str(tmp_path / "stock"))):
         assert loaded.startswith(f"STOCK LOADED {persist}/global_step{ITERS}/") and loaded.endswith(f" {ITERS} {ITERS}")
+    # So does what `ftmem export` wrote from the dead job's memory (newer than the flushed version).
+    for rank, loaded in enumerate(stock_deepspeed_load(config, exported, str(tmp_path / "stock_export"))):
+        assert loaded.startswith(f"STOCK LOADED {exported}/global_step{newest}/") and loaded.endswith(f" {newest} {newest}")
 
     # DeepSpeed's own converter, as copied beside the checkpoint (its CLI also wants
     # huggingface_hub for sharding, so its function is called): the final weights.
@@ -248,3 +229,37 @@ def test_a_flush_killed_midway_leaves_the_previous_checkpoint_the_newest(shm_dir
     assert f"ftmem: restored iteration 2 from disk {persist}/global_step2" in job.log(0)
     assert_same_training(job.out, ref, 3, ITERS)
     assert jobs.list_jobs(shm_dir) == []
+
+
+def stock_deepspeed_load(config: str, checkpoint_dir: str, logs: str) -> list[str]:
+    """Load ``checkpoint_dir`` with stock DeepSpeed (its default engine, 3 ranks, no ftmem
+    module loaded); each rank's line ``STOCK LOADED <path> <global_steps> <next_step>``."""
+    gpt_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ftmem_deepspeed", "gpt.py")
+    stock_config = json.load(open(os.path.join(CONFIGS, config)))
+    del stock_config["checkpoint"], stock_config["ftmem"]
+    os.makedirs(logs, exist_ok=True)
+    with open(os.path.join(logs, "stock_load.py"), "w") as f:
+        f.write(textwrap.dedent(f"""
+        import importlib.util, sys
+        import torch
+        import deepspeed.ops
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        import deepspeed
+        spec = importlib.util.spec_from_file_location("gpt", {gpt_file!r})
+        gpt = sys.modules["gpt"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gpt)
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = gpt.GPT(gpt.GPTConfig())
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={stock_config!r})
+        path, client_state = engine.load_checkpoint({checkpoint_dir!r})
+        assert not [m for m in sys.modules if m.startswith("ftmem")], [m for m in sys.modules if "ftmem" in m]
+        print("STOCK LOADED", path, engine.global_steps, client_state["next_step"], flush=True)
+        # Leave as a training script does: an exit with the groups still up can abort in gloo's teardown.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    """))
+    stock = LocalJob("stock_load", [], 3, job_id(), logs,
+                     env={"PYTHONPATH": logs, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **ENV})
+    assert stock.wait(TIMEOUT) == [0] * 3, LocalJob.read_log(logs, 0)[-3000:]
+    return [next(ln for ln in LocalJob.read_log(logs, rank).splitlines() if ln.startswith("STOCK LOADED"))
+            for rank in range(3)]

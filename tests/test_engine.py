@@ -379,3 +379,22 @@ def test_flushes_are_skipped_not_queued_while_the_disk_is_slower_than_the_saves(
     assert torch.equal(torch.load(tmp_path / "v1" / "w.pt"), written[1])
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
     engine.close(job_finished=True)
+
+
+def test_export_names_what_it_cannot_do(shm_dir, tmp_path):
+    """`ftmem export` of an unknown job, of a version not held, and of a snapshot no
+    adapter saved: each refused with the reason, nothing written."""
+    job = job_id()
+    engine = make_engine(shm_dir, job)
+    engine.save({"w": torch.ones(10)}, 1).wait_committed()
+    engine.wait_sealed()
+    out = tmp_path / "out"
+    refused = run_cli("export", "--job", "no-such-job", "--shm-dir", shm_dir, "--out", str(out))
+    assert refused.returncode == 2 and f"no job 'no-such-job' in {shm_dir} (jobs there: {job})" in refused.stderr
+    refused = run_cli("export", "--job", job, "--version", "7", "--shm-dir", shm_dir, "--out", str(out))
+    assert refused.returncode == 2 and "does not hold version 7 on every rank (rank 0: [1])" in refused.stderr
+    assert "versions held by all: [1]" in refused.stderr
+    refused = run_cli("export", "--job", job, "--shm-dir", shm_dir, "--out", str(out))
+    assert refused.returncode == 2 and "name no checkpoint layout to export to" in refused.stderr
+    assert not out.exists()
+    engine.close(job_finished=True)

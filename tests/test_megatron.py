@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import free_shm_dir, job_id, new_shm_dir
+from conftest import free_shm_dir, job_id, new_shm_dir, run_cli
 from ftmem import jobs
 from ftmem.launch import LocalJob
 from test_megatron_driver import TINY_GPT
@@ -184,8 +184,17 @@ def test_losing_more_than_m_nodes_resumes_from_the_checkpoint_written_from_memor
     assert saved["args"].tensor_model_parallel_size == 2 and saved["optimizer"]["state"]
     assert all(type(t) is torch.Tensor for t in saved["model"].values() if isinstance(t, torch.Tensor))
 
+    # `ftmem export` writes memory's newest version (5) from shared memory, the job dead.
+    exported = str(tmp_path / "exported")
+    out = run_cli("export", "--job", job.job, "--shm-dir", shm_dir, "--out", exported)
+    assert out.returncode == 0 and f"exported version 5 to {exported}/iter_0000005" in out.stdout, out.stderr
+    assert "] 100%  read " in out.stderr  # the progress bar's last line
+    assert sorted(os.listdir(exported)) == ["ftmem_flushed.json", "iter_0000005", "latest_checkpointed_iteration.txt"]
+
     for node in (1, 2):
         jobs.lose_node(shm_dir, job.job, node)
+    out = run_cli("export", "--job", job.job, "--shm-dir", shm_dir, "--out", str(tmp_path / "nothing"))
+    assert out.returncode == 2 and "ranks [1, 2] have no node directory here" in out.stderr
     job.run(str(tmp_path / "resumed.json"))
     for rank in range(world):
         assert (f"ftmem: restored iteration 3 from disk {ckpt} (rank {rank}; memory could not serve: no version is "
@@ -196,3 +205,10 @@ def test_losing_more_than_m_nodes_resumes_from_the_checkpoint_written_from_memor
     assert resumed["digests"] == ref["digests"]
     assert jobs.list_jobs(shm_dir) == []
 
+    # A new job (no memory) loads the exported iteration 5 and continues bitwise.
+    fresh = every_third(MegatronJob(world, parallel, ftmem, shm_dir, str(tmp_path / "fresh")))
+    fresh.args[fresh.args.index("--load") + 1] = exported
+    fresh.run(str(tmp_path / "fresh.json"))
+    assert f"successfully loaded checkpoint from {exported} at iteration 5" in fresh.log(0)
+    from_export = read_out(str(tmp_path / "fresh.json"))
+    assert from_export["losses"] == {"6": ref["losses"]["6"]} and from_export["digests"] == ref["digests"]

@@ -1,0 +1,181 @@
+"""``ftmem export``: write a version the SMPs hold to disk in the framework's own
+checkpoint layout, on demand — e.g. before a planned shutdown, or to keep a version
+that is about to be overwritten.
+
+Export reads shared memory only, so it works whether the training processes are
+alive, killed or gone: each rank's data comes from its node's slots (checked against
+their checksums), and the DP-sharded replicated state is joined back from the
+replicas' slices. It reads one rank at a time, so it holds about one rank's state in
+memory. Every node directory of the job must be visible in the shared-memory
+directory (one host's virtual nodes, or node directories gathered there); a lost
+node's ranks are rebuilt from parity by a restarted job, not by export.
+
+The layout is the adapter's: every snapshot names the module (``EXPORT_WITH``) whose
+``export_dp_group(group, read_state, directory, wrote)`` writes one DP group's files and
+returns the checkpoint's name, and whose ``publish(root, name)`` points the framework at
+it. The directory is written under a temporary name and renamed when complete, as the
+persistent tier's flushes are (:func:`ftmem.persist.publish`).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, TextIO
+
+import torch
+
+from . import jobs
+from .copier import read_from_slot, shard_bytes
+from .errors import CorruptShard, FtmemError
+from .persist import publish
+from .serialize import join_state
+from .slots import CommitRecord, RankStore
+
+EXPORT_WITH = "ftmem_export_with"  # the snapshot state's key naming the adapter module that writes its layout
+
+
+@dataclass
+class Exported:
+    path: str
+    version: int
+    nbytes: int  # bytes written
+    seconds: float
+
+
+class Progress:
+    """A progress bar over the bytes read from shared memory, with what is written so
+    far and the rate; redrawn in place on a terminal, a line per 10% otherwise."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, out: TextIO = sys.stderr):
+        self.total, self.out = max(total, 1), out
+        self.read = self.written = 0
+        self.started = time.monotonic()
+        self._tty = out.isatty()
+        self._last_tenth = -1
+
+    def add(self, read: int = 0, written: int = 0) -> None:
+        self.read += read
+        self.written += written
+        fraction = min(self.read / self.total, 1.0)
+        if not self._tty and int(fraction * 10) == self._last_tenth:
+            return
+        self._last_tenth = int(fraction * 10)
+        filled = int(fraction * self.WIDTH)
+        rate = self.written / max(time.monotonic() - self.started, 1e-9) / 1e9
+        line = (f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction:4.0%}  read {self.read / 2**20:.1f} of "
+                f"{self.total / 2**20:.1f} MiB, written {self.written / 2**20:.1f} MiB, {rate:.2f} GB/s")
+        self.out.write(("\r" + line) if self._tty else line + "\n")
+        self.out.flush()
+
+    def end(self) -> None:
+        if self._tty:
+            self.out.write("\n")
+
+
+class _HeldJob:
+    """A job's ranks as its node directories hold them."""
+
+    def __init__(self, shm_dir: str, job: str):
+        nodes = jobs.node_dirs(shm_dir, job)
+        if not nodes:
+            present = ", ".join(jobs.list_jobs(shm_dir)) or "none"
+            raise FtmemError(f"no job {job!r} in {shm_dir} (jobs there: {present}). Name the job with --job, and "
+                             f"the shared-memory directory it runs in with --shm-dir.")
+        self.job = job
+        self.stores = {rank: RankStore(path, rank) for _, path in nodes for rank in jobs.node_ranks(path)}
+
+    def choose(self, version: Optional[int]) -> tuple[int, CommitRecord]:
+        """The version to export (the newest every rank holds, unless named) and rank 0's record of it."""
+        held = {rank: set(store.committed()) for rank, store in self.stores.items()}
+        common = set.intersection(*held.values())
+        if version is None and not common:
+            raise FtmemError(f"job {self.job}: no version is held by every rank "
+                             f"({self._describe(held)}); nothing complete to export.")
+        version = max(common) if version is None else version
+        if version not in common:
+            raise FtmemError(f"job {self.job} does not hold version {version} on every rank ({self._describe(held)}); "
+                             f"versions held by all: {sorted(common) or 'none'}.")
+        record = self.stores[min(self.stores)].read_commit(version)
+        world = sorted(rank for group in record.layout.dp_groups for rank in group)
+        missing = sorted(set(world) - set(self.stores))
+        if missing:
+            raise FtmemError(f"job {self.job}: ranks {missing} have no node directory here (their node's memory is "
+                             f"gone or elsewhere). Export reads every rank from shared memory; restart the job to "
+                             f"rebuild lost nodes from parity, or use its newest disk checkpoint.")
+        return version, record
+
+    @staticmethod
+    def _describe(held: dict[int, set]) -> str:
+        return "; ".join(f"rank {r}: {sorted(v) or 'none'}" for r, v in sorted(held.items()))
+
+
+def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
+           progress_to: TextIO = sys.stderr) -> Exported:
+    """Write ``version`` of ``job`` (default: the newest every rank holds) into ``out``
+    in the framework's layout; returns where, what and how fast."""
+    held = _HeldJob(shm_dir, job)
+    version, first = held.choose(version)
+    writer = _adapter(first)
+    records: dict[int, CommitRecord] = {}
+    for rank, store in held.stores.items():
+        try:
+            records[rank] = store.verify(version)
+        except CorruptShard as e:
+            raise FtmemError(f"job {job} version {version} cannot be exported: {e} Export an older version "
+                             f"(--version), or try again once the SMPs have sealed it.") from e
+    progress = Progress(sum(r.plan.nbytes for r in records.values()), progress_to)
+
+    def read_state(rank: int) -> Any:
+        record = records[rank]
+        group = record.layout.dp_group_of(rank) if record.plan.shard is not None else (rank,)
+        with contextlib.ExitStack() as mapped:
+            slots = {}
+            for r in group:
+                mm = mapped.enter_context(held.stores[r].map_slot(records[r].slot, writable=True))  # only read;
+                slots[r] = torch.frombuffer(mm, dtype=torch.uint8)  # writable spares a copy
+            # The replicated stream, from every replica's slice, in order (private memory).
+            stream = (torch.cat([shard_bytes(slots[r], records[r].plan) for r in group])
+                      if record.plan.shard is not None else None)
+            tensors = read_from_slot(slots[rank], record.plan, torch.device("cpu"), stream)
+            del slots  # the maps close with no view left
+        # A slot's commit marker goes before it is overwritten: if every marker is still
+        # there, what was read is the version.
+        overwritten = [r for r in group if held.stores[r].committed().get(version) != records[r].slot]
+        if overwritten:
+            raise FtmemError(f"job {job} overwrote version {version} of ranks {overwritten} while it was being "
+                             f"exported (the job keeps saving). Export a newer version, or stop the job first.")
+        progress.add(read=record.plan.nbytes)
+        return join_state(record.skeleton, tensors)
+
+    os.makedirs(out, exist_ok=True)
+    staging = f".export-v{version}.tmp"
+    shutil.rmtree(os.path.join(out, staging), ignore_errors=True)  # an export that was interrupted
+    os.makedirs(os.path.join(out, staging))
+    started = time.monotonic()
+    try:
+        names = {writer.export_dp_group(group, read_state, os.path.join(out, staging),
+                                        lambda n: progress.add(written=n))
+                 for group in first.layout.dp_groups}
+    finally:
+        progress.end()
+    name, = names
+    publish(out, staging, name, version, writer.publish, keep=None)
+    return Exported(os.path.join(out, name), version, progress.written, time.monotonic() - started)
+
+
+def _adapter(record: CommitRecord):
+    """The adapter module that writes this snapshot's layout, named in the state itself
+    (read from the skeleton alone: no tensor is needed for it)."""
+    state = join_state(record.skeleton, [None] * len(record.plan.entries))
+    module = state.get(EXPORT_WITH) if isinstance(state, dict) else None
+    if module is None:
+        raise FtmemError("this job's snapshots name no checkpoint layout to export to (they were not saved through "
+                         "the DeepSpeed or Megatron adapter).")
+    return importlib.import_module(module)
