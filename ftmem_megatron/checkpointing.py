@@ -187,6 +187,11 @@ def wait_flushed() -> None:
         _snapshots.wait_flushed()
 
 
+def last_flush() -> Optional[tuple[int, float]]:
+    """(bytes this rank wrote, seconds) of the last persistent checkpoint written from memory."""
+    return _snapshots.last_flush if _snapshots is not None else None
+
+
 def close(job_finished: bool) -> None:
     """Close this rank's engine now (collective in effect: every rank should). With
     ``job_finished`` the job's snapshots are freed once all ranks have closed; without,
