@@ -108,6 +108,10 @@ class Flusher:
                 print(f"ftmem: rank {self.rank} flushing version {version}: {written / 2**20:.1f} MiB written, "
                       f"{written / (now - started) / 1e9:.2f} GB/s", flush=True)
 
+        if self.rank == 0:  # what a flush of the same name left when it was killed midway
+            shutil.rmtree(staging, ignore_errors=True)
+        if self._group is not None:
+            dist.barrier(group=self._group)
         ok = True
         try:
             os.makedirs(staging, exist_ok=True)
