@@ -90,6 +90,9 @@ class _HeldJob:
                              f"the shared-memory directory it runs in with --shm-dir.")
         self.job = job
         self.stores = {rank: RankStore(path, rank) for _, path in nodes for rank in jobs.node_ranks(path)}
+        if not self.stores:
+            raise FtmemError(f"job {job}'s node directories in {shm_dir} name no ranks: no training process of it "
+                             f"has started there. Nothing to export.")
 
     def choose(self, version: Optional[int]) -> tuple[int, CommitRecord]:
         """The version to export (the newest every rank holds, unless named) and rank 0's record of it."""
