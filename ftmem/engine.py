@@ -259,9 +259,7 @@ class SnapshotEngine:
             print(f"ftmem: version {record.version} not flushed: the previous flush is still running "
                   f"(the disk is slower than persist.interval saves)", flush=True)
             return
-        stream = self._gather_replicated(record.plan, slot_bytes) if record.plan.shard else None
-        tensors = read_from_slot(slot_bytes, record.plan, torch.device("cpu"), stream)
-        self._flusher.start(record.version, join_state(record.skeleton, tensors))
+        self._flusher.start(record.version, self._read_version(record, slot_bytes, torch.device("cpu")))
 
     def _protect(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
         lengths, records, piece = self._column.exchange_info(record)
@@ -330,11 +328,15 @@ class SnapshotEngine:
         if mismatch:
             raise LayoutMismatch(f"version {chosen} was saved under another parallel layout ({mismatch}). "
                                  f"Restart with the layout it was saved with, or restore from a disk checkpoint.")
-        slot_bytes = self._slot_bytes(record.slot)
-        stream = self._gather_replicated(record.plan, slot_bytes) if record.plan.shard else None
-        tensors = read_from_slot(slot_bytes, record.plan, torch.device(device), stream)
+        state = self._read_version(record, self._slot_bytes(record.slot), torch.device(device))
         self.store.drop_from(chosen + 1)
-        return Restored(version=chosen, state=join_state(record.skeleton, tensors), rebuilt=self.rank in to_rebuild)
+        return Restored(version=chosen, state=state, rebuilt=self.rank in to_rebuild)
+
+    def _read_version(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device) -> Any:
+        """The whole state of a version, in private memory on ``device``; a DP-sharded one
+        is gathered back from the replicas (collective over the DP group)."""
+        stream = self._gather_replicated(record.plan, slot_bytes) if record.plan.shard else None
+        return join_state(record.skeleton, read_from_slot(slot_bytes, record.plan, device, stream))
 
     def _gather_replicated(self, plan: SnapshotPlan, slot_bytes: torch.Tensor) -> torch.Tensor:
         """The whole replicated stream, from every DP replica's slice (collective over the DP group)."""

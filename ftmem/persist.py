@@ -10,8 +10,8 @@ logged: flushes never queue. A flush writes this rank's files through the adapte
 :class:`FlushTarget` into ``<dir>/.<name>.tmp``; once every rank has written its part
 (an all-reduce on the flusher's own gloo group), rank 0 renames it to ``<dir>/<name>``,
 updates the framework's pointer (DeepSpeed's ``latest``, Megatron's
-``latest_checkpointed_iteration.txt``) and deletes the oldest flushes beyond ``keep``. A crash before the rename leaves the previous checkpoint the
-newest valid one.
+``latest_checkpointed_iteration.txt``) and deletes the oldest flushes beyond ``keep``.
+A crash before the rename leaves the previous checkpoint the newest valid one.
 
 The flushing runs in a thread of each training process rather than in the SMP:
 writing a DP replica's files needs the replicated state the other replicas hold, and
@@ -50,6 +50,13 @@ class FlushTarget(Protocol):
 
     def publish(self, root: str, name: str) -> None:
         """On rank 0, after ``<root>/<name>`` is complete: point the framework at it."""
+
+
+def save_atomically(obj: Any, path: str) -> None:
+    """torch.save ``obj`` to ``path`` under a temporary name, then rename: a reader sees
+    the whole file or none."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def flushed(root: str) -> list[dict]:
@@ -131,15 +138,11 @@ class Flusher:
                   f"{newest} stays the newest on disk", flush=True)
             return
         if self.rank == 0:
-            self._publish(name, version)
+            publish(root, os.path.basename(staging), name, version, self.target.publish, self.keep)
         self.last_flush = (written, seconds)
         print(f"ftmem: rank {self.rank} flushed version {version} to {os.path.join(root, name)}: "
               f"{written / 2**20:.1f} MiB in {seconds:.2f} s ({written / max(seconds, 1e-9) / 1e9:.2f} GB/s)",
               flush=True)
-
-    def _publish(self, name: str, version: int) -> None:
-        publish(self.root, f".{name}.tmp", name, version, self.target.publish, self.keep)
-
 
 def publish(root: str, staging: str, name: str, version: int, point_at: Callable[[str, str], None],
             keep: Optional[int]) -> None:

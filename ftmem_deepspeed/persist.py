@@ -15,8 +15,8 @@ import shutil
 from typing import Any, Callable, Sequence
 
 import deepspeed
-import torch
 
+from ftmem.persist import save_atomically
 from ftmem.slots import write_atomically
 
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
@@ -47,8 +47,7 @@ class DeepSpeedFlushTarget:
             if _on_every_replica(file_name) and not self.first_replica:
                 continue  # written once, by the first replica
             path = os.path.join(directory, file_name)
-            torch.save(content, path + ".tmp")
-            os.replace(path + ".tmp", path)
+            save_atomically(content, path)
             wrote(os.path.getsize(path))
 
     def publish(self, root: str, name: str) -> None:

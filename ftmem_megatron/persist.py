@@ -29,10 +29,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ftmem.errors import FtmemError
+from ftmem.persist import save_atomically
 
 from .arguments import in_memory
 from .torch_checkpoint import (MODEL_FILENAME, checkpoint_content, iteration_dir, model_state, rank_dir_name,
-                               rng_state, save_atomically, write_tracker)
+                               rng_state, write_tracker)
 
 
 def flushes_from_memory(args) -> bool:
@@ -79,7 +80,7 @@ class MegatronFlushTarget:
         self.first_replica = first_replica  # DP rank 0 of its (TP, PP) position writes; the others agree
 
     def name(self, version: int, state: Any) -> str:
-        return os.path.basename(iteration_dir("", state["iteration"]))
+        return _name(state)
 
     def write(self, state: Any, directory: str, wrote: Callable[[int], None]) -> None:
         if self.first_replica:
@@ -111,4 +112,9 @@ def export_dp_group(group: Sequence[int], read_state: Callable[[int], Any], dire
         writer = state if index == 0 else writer  # DP rank 0 writes; the others lend their RNG states
     writer["torch_format"]["rng_state"] = rng
     write_model_optim_rng(writer, directory, wrote)
-    return os.path.basename(iteration_dir("", writer["iteration"]))
+    return _name(writer)
+
+
+def _name(state: Any) -> str:
+    """The checkpoint's directory name, ``iter_XXXXXXX``."""
+    return os.path.basename(iteration_dir("", state["iteration"]))

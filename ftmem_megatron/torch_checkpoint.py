@@ -25,6 +25,8 @@ import shutil
 import numpy as np
 import torch
 
+from ftmem.persist import save_atomically
+
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"  # what the tracker holds for a release checkpoint (iteration 0)
@@ -99,12 +101,6 @@ def checkpoint_content(args, iteration: int, model_entries: dict, optimizer_stat
     return {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, **model_entries,
             "optimizer": optimizer_state, "opt_param_scheduler": scheduler_state, "rng_state": rng_states,
             "num_floating_point_operations_so_far": num_floating_point_operations_so_far}
-
-
-def save_atomically(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
