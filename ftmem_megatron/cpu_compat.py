@@ -4,8 +4,11 @@ megatron-core assumes a GPU in a handful of ways that have nothing to do with th
 model's arithmetic: it allocates buffers on ``torch.cuda.current_device()`` or on the
 literal device ``"cuda"``, keeps its model-parallel RNG streams as CUDA generator
 states, and the DistributedOptimizer checks that parameters are ``torch.cuda.*Tensor``.
-:func:`activate` redirects exactly those to the CPU. It does nothing where CUDA is
-available, so the same driver runs unchanged on GPUs.
+:func:`enable` redirects exactly those to the CPU. Importing this module changes
+nothing: a CPU run calls :func:`enable` before it builds anything with megatron-core
+(the example driver ``examples.megatron.pretrain_gpt`` does when CUDA is absent).
+:func:`enable` does nothing where CUDA is available, so the same driver runs unchanged
+on GPUs.
 
 Besides these patches the driver sets ``batch_p2p_comm=False`` on CPU: the batched
 pipeline send/recv path calls ``torch.cuda.synchronize()`` after every exchange.
@@ -18,20 +21,20 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
-_active = False
+_enabled = False
 
 
-def activate() -> None:
-    """Install the CPU patches (once per process); a no-op when CUDA is available."""
-    global _active
-    if _active or torch.cuda.is_available():
+def enable() -> None:
+    """Install the CPU patches (once per process: idempotent); a no-op when CUDA is available."""
+    global _enabled
+    if _enabled or torch.cuda.is_available():
         return
     _answer_current_device_with_cpu()
     _redirect_cuda_device_arguments()
     _use_cpu_rng_tracker()
     _name_cpu_tensor_types_as_cuda()
     _load_distributed_optimizer_state_into_torch_adam()
-    _active = True
+    _enabled = True
 
 
 def _answer_current_device_with_cpu() -> None:

@@ -8,7 +8,7 @@ Megatron-LM's ``pretrain_gpt.py`` does, with Megatron-LM's flag names:
         --train-iters 20 --lr 1e-3 --mock-data --vocab-size 128 \\
         --save ckpt --save-interval 5 [--load ckpt] [--use-distributed-optimizer]
 
-It runs on GPUs (NCCL) and, through :mod:`ftmem_megatron.cpu_compat`, on CPUs (gloo).
+It runs on GPUs (NCCL) and on CPUs (gloo), where it enables :mod:`ftmem_megatron.cpu_compat`.
 The data is synthetic and a pure function of (seed, global sample index), so a
 resumed run sees exactly the batches an uninterrupted one does; training is
 deterministic, and resuming from a ``--ckpt-format torch`` checkpoint
@@ -124,7 +124,8 @@ def initialize(args) -> None:
     """torch.distributed, megatron-core's parallel groups, and every RNG."""
     from megatron.core import parallel_state, tensor_parallel
 
-    cpu_compat.activate()
+    if not torch.cuda.is_available():
+        cpu_compat.enable()
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
