@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: install
-	DS_ACCELERATOR=cpu $(PY) -m ftmem_deepspeed.demo
+	DS_ACCELERATOR=cpu $(PY) -m examples.deepspeed.demo
 
 test: install
 	$(PY) -m pytest -q -ra tests

@@ -1,10 +1,18 @@
-"""The ``ftmem`` command: status, clean, export, bench, demo, survival."""
+"""The ``ftmem`` command: status, clean, export, bench, demo, survival.
+
+``bench`` and ``demo`` run tools that ship beside the library (``benchmarks/`` and
+``examples/``), which the library never imports: they are found through the entry
+points of group ``ftmem.tools`` (``bench-<name>`` and ``demo``), each a
+``main(argv) -> int`` that parses its own flags.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
+import textwrap
+from importlib.metadata import entry_points
 
 from . import jobs
 from .errors import FtmemError
@@ -52,20 +60,42 @@ def _cmd_export(args) -> int:
     return 0
 
 
+TOOLS = "ftmem.tools"  # entry-point group of the tools `ftmem bench` and `ftmem demo` run
+BENCHES = {
+    "save": "blocking and copy time of a save vs torch.save and a memory copy",
+    "ec": "coding throughput per core vs a memory copy, time to protection, memory overhead",
+    "megatron": "save blocking and restore time of a megatron-core GPT (TP 2, 2 ranks) vs Megatron-LM's "
+                "--ckpt-format torch",
+    "deepspeed": "save_checkpoint and load_checkpoint of a DeepSpeed ZeRO-1 GPT (2 ranks) vs DeepSpeed's "
+                 "default engine, and the iteration time with a save every step",
+}
+
+
+def _tools() -> dict:
+    """The installed tools: entry-point name -> entry point."""
+    return {ep.name: ep for ep in entry_points(group=TOOLS)}
+
+
+def _run_tool(command: str, name: str, argv: list) -> int:
+    """Load the tool ``name`` and call its ``main(argv)``; one line and status 2 if it
+    is not installed or cannot be imported."""
+    tool = _tools().get(name)
+    if tool is None:
+        print(f"ftmem {command}: not installed (no entry point {name!r} in group {TOOLS!r}); the tools ship in "
+              f"ftmem's source tree (examples/, benchmarks/): install it from there, e.g. pip install -e .",
+              file=sys.stderr)
+        return 2
+    try:
+        main = tool.load()
+    except ImportError as e:
+        print(f"ftmem {command}: cannot load {tool.value}: {e}", file=sys.stderr)
+        return 2
+    code = main(list(argv))
+    return 0 if code is None else int(code)
+
+
 def _cmd_bench(args) -> int:
-    if args.what == "save":
-        from .bench_save import bench_save
-
-        bench_save(total_mb=args.mb or 500, repeat=args.repeat, shm_dir=args.shm_dir)
-    elif args.what == "megatron":
-        from ftmem_megatron.bench import MODEL, TINY, bench_megatron
-
-        bench_megatron(TINY if args.tiny else MODEL, shm_dir=args.shm_dir)
-    else:
-        from .bench_ec import bench_ec
-
-        bench_ec(mb_per_node=args.mb or 1024, piece_mb=args.piece_mb, shm_dir=args.shm_dir)
-    return 0
+    return _run_tool(f"bench {args.what}", f"bench-{args.what}", args.args)
 
 
 def _cmd_survival(args) -> int:
@@ -99,9 +129,7 @@ def _cmd_survival(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .demo import run_demo
-
-    return 0 if run_demo(shm_dir=args.shm_dir) else 1
+    return _run_tool("demo", "demo", args.args)
 
 
 def main(argv=None) -> int:
@@ -125,19 +153,25 @@ def main(argv=None) -> int:
     p.add_argument("--version", type=int, help="the version (default: the newest every rank holds)")
     p.add_argument("--out", required=True, help="directory to write the checkpoint into (DeepSpeed: the tag's "
                                                  "directory and latest; Megatron: iter_XXXXXXX and its tracker)")
-    p = add("bench", "benchmarks; each ends with a RESULT line", _cmd_bench)
-    p.add_argument("what", choices=["save", "ec", "megatron"],
-                   help="save: blocking and copy time of a save vs torch.save and memcpy; "
-                        "ec: coding throughput per core vs memcpy, time to protection, memory overhead; "
-                        "megatron: save blocking and restore time of a megatron-core GPT (TP 2, 2 ranks) vs "
-                        "Megatron-LM's --ckpt-format torch (more flags: python -m ftmem_megatron.bench) "
-                        "(DeepSpeed: python -m ftmem_deepspeed.bench)")
-    p.add_argument("--mb", type=int, default=None,
-                   help="state size in MiB (save: default 500; ec: per node, default 1024)")
-    p.add_argument("--repeat", type=int, default=5, help="save: timed saves")
-    p.add_argument("--piece-mb", type=int, default=64, help="ec: MiB per piece in the throughput runs")
-    p.add_argument("--tiny", action="store_true", help="megatron: a tiny GPT (seconds, for a smoke test)")
-    add("demo", "train, SIGKILL a rank, restore from memory, compare with an uninterrupted run", _cmd_demo)
+    installed = _tools()
+    benches = dict(BENCHES, **{name[len("bench-"):]: f"({ep.value})" for name, ep in installed.items()
+                               if name.startswith("bench-") and name[len("bench-"):] not in BENCHES})
+    listing = "\n".join(textwrap.fill(text + ("" if f"bench-{name}" in installed else " [not installed]"), 100,
+                                       initial_indent=f"  {name:10s} ", subsequent_indent=" " * 13)
+                         for name, text in benches.items())
+    p = sub.add_parser("bench", help="benchmarks; each ends with a RESULT line",
+                       description="Benchmarks; each ends with one line RESULT key=value ... Every benchmark takes "
+                                   "--shm-dir DIR (default /dev/shm) and its own flags: ftmem bench NAME --help.",
+                       epilog="benchmarks:\n" + listing, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", metavar="NAME", choices=list(benches), help=", ".join(benches))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's flags")
+    p.set_defaults(fn=_cmd_bench)
+    # The demo parses its own flags (--shm-dir DIR): with no option prefix here, every
+    # argument after "demo", --help included, is handed to it.
+    p = sub.add_parser("demo", help="train, SIGKILL every rank, lose a node, restore from memory, compare with an "
+                                    "uninterrupted run [--shm-dir DIR]", add_help=False, prefix_chars="\0")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=_cmd_demo)
     p = sub.add_parser("survival", help="probability that a version survives F random node failures, EC vs replication")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--k", type=int, required=True)

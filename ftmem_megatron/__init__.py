@@ -1,7 +1,8 @@
-"""ftmem for Megatron: a GPT pretraining driver on megatron-core
-(``python -m ftmem_megatron.pretrain_gpt``, Megatron-LM's flag names), its
+"""ftmem for Megatron: in-memory checkpoints behind Megatron's flags, its
 ``--ckpt-format torch`` persistent checkpoints, and the compatibility layer that runs
-megatron-core on CPU (gloo) where no GPU is present.
+megatron-core on CPU (gloo) where no GPU is present (``cpu_compat.enable()``). A GPT
+pretraining driver on megatron-core with Megatron-LM's flag names ships beside the
+library: ``python -m examples.megatron.pretrain_gpt``.
 
 For Megatron-LM itself: ``import ftmem_megatron; ftmem_megatron.install()`` at the top
 of ``pretrain_gpt.py`` gives it ``--non-persistent-ckpt-type in_memory`` (see

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from ftmem.demo import read_losses
-from ftmem.launch import free_port, wait_until
+from examples.engine.demo import read_losses
+from examples.launch import free_port, wait_until
 from trainjob import TIMEOUT, TrainJob, reference_run
 
 WORLD = 2
@@ -61,7 +61,7 @@ def test_runs_under_torchrun(shm_dir, tmp_path, reference):
     env = dict(os.environ, FTMEM_JOB_ID=job.job, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), "-m", "ftmem.toy_train", *job.args],
+         "--master-port", str(free_port()), "-m", "examples.engine.toy_train", *job.args],
         env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in range(WORLD):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import free_shm_dir, job_id, new_shm_dir, run_cli
+from examples.launch import LocalJob, free_port, wait_until
 from ftmem import jobs
-from ftmem.launch import LocalJob, free_port, wait_until
 from ftmem_deepspeed.checkpoint_engine import is_stub
 from trainjob import assert_same_training
 
@@ -32,8 +32,8 @@ class DSJob:
                      "--iters", str(ITERS), "--out", self.out, "--ftmem", json.dumps(overrides)]
 
     def start(self, *extra, rank_env=None) -> LocalJob:
-        return LocalJob("ftmem_deepspeed.train_gpt", self.args + list(extra), self.world, self.job, self.out, env=ENV,
-                        rank_env=rank_env)
+        return LocalJob("examples.deepspeed.train_gpt", self.args + list(extra), self.world, self.job, self.out,
+                        env=ENV, rank_env=rank_env)
 
     def run(self, *extra) -> list[int]:
         return self.start(*extra).wait(TIMEOUT)
@@ -119,7 +119,7 @@ def test_ftmem_selected_without_the_import_is_refused_with_the_fix(shm_dir, tmp_
 
 def test_make_demo_succeeds(shm_dir):
     """What `make demo` runs: a DeepSpeed job loses a node and resumes bitwise."""
-    out = subprocess.run([sys.executable, "-m", "ftmem_deepspeed.demo", shm_dir], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "examples.deepspeed.demo", shm_dir], capture_output=True, text=True,
                          timeout=900, env=dict(os.environ, **ENV))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "rebuilt from parity); losses of all 12 steps and final weights bitwise equal to the reference: True" \
@@ -134,7 +134,7 @@ def test_runs_under_the_deepspeed_launcher(shm_dir, tmp_path):
     job = DSJob("zero1.json", 2, shm_dir, str(tmp_path / "run"), ftmem=mirror)
     env = dict(os.environ, FTMEM_JOB_ID=job.job, OMP_NUM_THREADS="1", **ENV)
     out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
-                          "--master_port", str(free_port()), "--module", "ftmem_deepspeed.train_gpt", *job.args],
+                          "--master_port", str(free_port()), "--module", "examples.deepspeed.train_gpt", *job.args],
                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert out.stdout.count("checkpoint engine FtmemCheckpointEngine") == 2

@@ -10,8 +10,8 @@ import re
 import pytest
 
 from conftest import free_shm_dir, job_id, new_shm_dir, run_cli
+from examples.launch import LocalJob
 from ftmem import jobs
-from ftmem.launch import LocalJob
 from test_megatron_driver import TINY_GPT
 
 ITERS, STOP, TIMEOUT = 6, 3, 240
@@ -30,7 +30,7 @@ class MegatronJob:
             "--ftmem-shm-dir", shm_dir, *ftmem]
 
     def start(self, *extra) -> LocalJob:
-        return LocalJob("ftmem_megatron.pretrain_gpt", self.args + list(extra), self.world, self.job, self.logs)
+        return LocalJob("examples.megatron.pretrain_gpt", self.args + list(extra), self.world, self.job, self.logs)
 
     def run(self, out: str, *extra) -> None:
         codes = self.start("--out", out, *extra).wait(TIMEOUT)

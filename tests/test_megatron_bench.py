@@ -1,4 +1,4 @@
-"""``python -m ftmem_megatron.bench`` and ``ftmem bench megatron`` at a tiny size: each
+"""``python -m benchmarks.bench_megatron`` and ``ftmem bench megatron`` at a tiny size: each
 runs end to end (restoring bitwise, which the benchmark checks), frees its shared
 memory and ends with one RESULT line of positive figures. No timing is asserted."""
 import subprocess
@@ -14,7 +14,7 @@ KEYS = {"ftmem_save_s", "torch_save_s", "save_vs_torch_x", "ftmem_restore_s", "t
 
 
 @pytest.mark.parametrize("command", [
-    ["-m", "ftmem_megatron.bench", "--tiny", "--saves", "2"],
+    ["-m", "benchmarks.bench_megatron", "--tiny", "--saves", "2"],
     ["-m", "ftmem.cli", "bench", "megatron", "--tiny"],
 ], ids=["module", "cli"])
 def test_megatron_bench_ends_with_a_result_line(command, shm_dir):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import job_id
-from ftmem.launch import LocalJob
+from examples.launch import LocalJob
 
 ITERS, SAVE_INTERVAL, TIMEOUT = 6, 3, 120
 TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -21,7 +21,7 @@ TINY_GPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 
 def run_driver(world: int, log_dir: str, *args: str) -> None:
     os.makedirs(log_dir, exist_ok=True)
-    with LocalJob("ftmem_megatron.pretrain_gpt", TINY_GPT + list(args), world, job_id(), log_dir) as job:
+    with LocalJob("examples.megatron.pretrain_gpt", TINY_GPT + list(args), world, job_id(), log_dir) as job:
         codes = job.wait(TIMEOUT)
         assert codes == [0] * world, "\n".join(job.log(r)[-3000:] for r in range(world))
 
@@ -64,7 +64,7 @@ def test_resume_from_torch_checkpoint_is_bitwise(world, parallel, rank_dirs, tmp
 
 
 def test_only_the_torch_checkpoint_format_is_supported():
-    from ftmem_megatron.pretrain_gpt import parse_args
+    from examples.megatron.pretrain_gpt import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(TINY_GPT + ["--ckpt-format", "torch_dist"])

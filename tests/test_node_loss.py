@@ -2,7 +2,7 @@
 shared memory deleted — and the job restored from its EC groups' parity, bitwise."""
 import pytest
 
-from ftmem.launch import wait_until
+from examples.launch import wait_until
 from ftmem.slots import PARITY, RankStore
 from conftest import flip_byte
 from trainjob import TrainJob, reference_run

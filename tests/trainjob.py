@@ -1,13 +1,13 @@
-"""Running ftmem.toy_train jobs in tests: reference runs, restarts, bitwise checks,
+"""Running examples.engine.toy_train jobs in tests: reference runs, restarts, bitwise checks,
 losing whole virtual nodes."""
 import os
 
 import torch
 
 from conftest import free_shm_dir, job_id, new_shm_dir
+from examples.engine.demo import read_losses
+from examples.launch import LocalJob
 from ftmem import jobs
-from ftmem.demo import read_losses
-from ftmem.launch import LocalJob
 
 ITERS, TIMEOUT = 10, 240
 
@@ -24,7 +24,7 @@ class TrainJob:
             self.args += ["--ec-k", str(ec[0]), "--ec-m", str(ec[1])]
 
     def start(self, *extra, rank_env=None) -> LocalJob:
-        return LocalJob("ftmem.toy_train", self.args + list(extra), self.world, self.job, self.out,
+        return LocalJob("examples.engine.toy_train", self.args + list(extra), self.world, self.job, self.out,
                         rank_env=rank_env)
 
     def run(self, *extra) -> list[int]:

@@ -4,18 +4,22 @@ restarts, rebuilds the lost node's state from parity, and finishes bitwise ident
 to a run that never failed."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 import tempfile
 
 import torch
 
-from . import jobs
-from .launch import LocalJob
+from ftmem import jobs
+
+from examples.launch import LocalJob
 
 WORLD = 3
 LOST_NODE = 1
 TIMEOUT_S = 180
+TRAINER = "examples.engine.toy_train"
 
 
 def read_losses(out: str, rank: int) -> dict[int, float]:
@@ -73,12 +77,23 @@ def run_demo(iters: int = 12, kill_after: int = 7, shm_dir: str = "/dev/shm") ->
         f"scheduler and RNG to shared memory after every step, erasure coded across the nodes (k=2, m=1).")
     ref, out = os.path.join(work, "reference"), os.path.join(work, "crashed")
     try:
-        LocalJob("ftmem.toy_train", train + ["--out", ref], WORLD, f"{job}-ref", ref).wait(TIMEOUT_S)
+        LocalJob(TRAINER, train + ["--out", ref], WORLD, f"{job}-ref", ref).wait(TIMEOUT_S)
         say(f"reference run without failures: done ({ref})")
-        crash_and_lose_node(LocalJob("ftmem.toy_train", train + ["--out", out, "--stop-after", str(kill_after)],
-                                     WORLD, job, out), shm_dir, job, kill_after, LOST_NODE)
-        LocalJob("ftmem.toy_train", train + ["--out", out], WORLD, job, out).wait(TIMEOUT_S)
+        crash_and_lose_node(LocalJob(TRAINER, train + ["--out", out, "--stop-after", str(kill_after)], WORLD, job, out),
+                            shm_dir, job, kill_after, LOST_NODE)
+        LocalJob(TRAINER, train + ["--out", out], WORLD, job, out).wait(TIMEOUT_S)
         return report(out, ref, WORLD, iters, shm_dir, job)
     finally:
         for j in (job, f"{job}-ref"):
             jobs.clean(shm_dir, j)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ftmem demo", description=__doc__.replace("\n", " "))
+    parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")
+    args = parser.parse_args(argv)
+    return 0 if run_demo(shm_dir=args.shm_dir) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

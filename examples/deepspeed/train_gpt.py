@@ -1,9 +1,9 @@
 """Train the small GPT with DeepSpeed, checkpointing with whatever engine the JSON
 config selects (ftmem with ``"checkpoint": {"engine": "ftmem"}``).
 
-    torchrun --nproc-per-node 3 -m ftmem_deepspeed.train_gpt --deepspeed-config configs/zero1.json \\
+    torchrun --nproc-per-node 3 -m examples.deepspeed.train_gpt --deepspeed-config configs/zero1.json \\
         --save-dir ckpt --iters 20 [--load] [--out DIR]
-    deepspeed --num_gpus 3 ftmem_deepspeed/train_gpt.py ...   (same flags)
+    deepspeed --num_gpus 3 examples/deepspeed/train_gpt.py ...   (same flags)
 
 A ``"pipeline": {"stages": S, "model_parallel": M}`` section trains it as a DeepSpeed
 PipelineModule of S stages on a pipe x data x model grid, which becomes DeepSpeed's
@@ -25,11 +25,11 @@ import torch
 
 import ftmem_deepspeed  # noqa: F401  (installs the "engine": "ftmem" selection)
 
-from .gpt import GPT, GPTConfig, Head, batch, layers, lm_loss
+from examples.deepspeed.gpt import GPT, GPTConfig, Head, batch, layers, lm_loss
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m ftmem_deepspeed.train_gpt")
+    p = argparse.ArgumentParser(prog="python -m examples.deepspeed.train_gpt")
     p.add_argument("--deepspeed-config", required=True)
     p.add_argument("--save-dir", required=True)
     p.add_argument("--iters", type=int, default=20)

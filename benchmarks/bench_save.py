@@ -3,14 +3,16 @@
 measured in one run on the same state."""
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 
-from . import jobs
-from .engine import SnapshotEngine
+from ftmem import jobs
+from ftmem.engine import SnapshotEngine
 
 
 def model_like_state(total_mb: int) -> dict:
@@ -96,3 +98,18 @@ def bench_save(total_mb: int = 500, repeat: int = 5, shm_dir: str = "/dev/shm") 
           f"reusable at {result['vs_memcpy_x']:.2f}x the memory copy (target <= 1.5x)")
     print("RESULT " + " ".join(f"{k}={v:.6g}" for k, v in result.items()))
     return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ftmem bench save",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--mb", type=int, default=None, help="state size in MiB (default 500)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed saves (default 5)")
+    parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")
+    args = parser.parse_args(argv)
+    bench_save(total_mb=args.mb or 500, repeat=args.repeat, shm_dir=args.shm_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,7 @@ optimizer step waits for it.
 
 Run one rank per process with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set::
 
-    python -m ftmem.toy_train --iters 12 --out DIR [--stop-after N] [--ranks-per-node R] [--ec-k K --ec-m M]
+    python -m examples.engine.toy_train --iters 12 --out DIR [--stop-after N] [--ranks-per-node R] [--ec-k K --ec-m M]
 
 Writes ``DIR/rank<r>.losses.jsonl`` (one {"it", "loss"} per step) and, at the end,
 ``DIR/rank<r>.final.pt``. ``--stop-after N`` makes the rank wait, after version N is
@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .engine import SnapshotEngine
-from .errors import NotRecoverableFromMemory
+from ftmem.engine import SnapshotEngine
+from ftmem.errors import NotRecoverableFromMemory
 
 IN, HIDDEN, OUT = 32, 64, 8
 
@@ -60,7 +60,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ftmem.toy_train")
+    parser = argparse.ArgumentParser(prog="python -m examples.engine.toy_train")
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--out", required=True)
     parser.add_argument("--stop-after", type=int, default=None)

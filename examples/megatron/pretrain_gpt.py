@@ -1,7 +1,7 @@
 """Pretrain a GPT on megatron-core with tensor, pipeline and data parallelism, the way
 Megatron-LM's ``pretrain_gpt.py`` does, with Megatron-LM's flag names:
 
-    torchrun --nproc-per-node 4 -m ftmem_megatron.pretrain_gpt \\
+    torchrun --nproc-per-node 4 -m examples.megatron.pretrain_gpt \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 \\
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
         --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 \\
@@ -40,14 +40,15 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from . import cpu_compat
-from .arguments import IN_MEMORY, add_ftmem_args, add_non_persistent_args, in_memory, validate_ftmem_args
+from ftmem_megatron import cpu_compat
+from ftmem_megatron.arguments import (IN_MEMORY, add_ftmem_args, add_non_persistent_args, in_memory,
+                                      validate_ftmem_args)
 
 SUPPORTED_CKPT_FORMATS = ("torch",)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ftmem_megatron.pretrain_gpt")
+    p = argparse.ArgumentParser(prog="python -m examples.megatron.pretrain_gpt")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
@@ -320,7 +321,7 @@ def log_iteration(args, iteration, loss, grad_norm, lr, elapsed_s) -> None:
 def train(args, model, optimizer, opt_param_scheduler, iteration, flops_so_far) -> dict:
     """Run iterations ``iteration + 1 .. train_iters``; returns {iteration: loss} of
     this rank (empty unless it is the loss reporter)."""
-    from . import checkpointing
+    from ftmem_megatron import checkpointing
 
     for chunk in model:
         chunk.train()
@@ -354,9 +355,9 @@ def train(args, model, optimizer, opt_param_scheduler, iteration, flops_so_far) 
 def save_persistent(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args) -> None:
     """Megatron's persistent save: from memory in the background where ftmem writes it
     (see :mod:`ftmem_megatron.persist`), else synchronously to ``--save``."""
-    from . import checkpointing
-    from .persist import flushes_from_memory
-    from .torch_checkpoint import save_checkpoint
+    from ftmem_megatron import checkpointing
+    from ftmem_megatron.persist import flushes_from_memory
+    from ftmem_megatron.torch_checkpoint import save_checkpoint
 
     if flushes_from_memory(args):
         checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args,
@@ -418,8 +419,8 @@ def write_out(args, losses: dict, model, optimizer) -> None:
 def main(argv=None) -> None:
     from megatron.core import parallel_state
 
-    from . import checkpointing
-    from .torch_checkpoint import load_checkpoint
+    from ftmem_megatron import checkpointing
+    from ftmem_megatron.torch_checkpoint import load_checkpoint
 
     args = parse_args(argv)
     initialize(args)

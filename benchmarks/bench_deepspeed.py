@@ -1,8 +1,9 @@
-"""``python -m ftmem_deepspeed.bench``: DeepSpeed's default checkpoint engine against ftmem on
-the same model in one run — save_checkpoint blocking time and load_checkpoint time
-of a >= 50M-parameter GPT under ZeRO-1 on 2 ranks, the same save with a flush to disk
-after it (what it blocks, and the flush against DeepSpeed's torch.save) — and the
-iteration time of a smaller GPT saving with ftmem after every step against not saving.
+"""``ftmem bench deepspeed`` (or ``python -m benchmarks.bench_deepspeed``): DeepSpeed's
+default checkpoint engine against ftmem on the same model in one run — save_checkpoint
+blocking time and load_checkpoint time of a >= 50M-parameter GPT under ZeRO-1 on 2
+ranks, the same save with a flush to disk after it (what it blocks, and the flush
+against DeepSpeed's torch.save) — and the iteration time of a smaller GPT saving with
+ftmem after every step against not saving.
 
 Run without arguments it starts the two ranks (run_for_figures), each running
 :func:`worker` (``--worker``); rank 0 prints the figures.
@@ -13,13 +14,15 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
 from ftmem import jobs
-from ftmem.launch import report_figures, run_for_figures
+
+from examples.launch import report_figures, run_for_figures
 
 WORLD = 2
 BIG = {"hidden": 768, "layers": 8, "seq_len": 64}  # ~57M parameters
@@ -51,12 +54,12 @@ def _config(ftmem: bool, shm_dir: str, micro_batch: int, ranks_per_node: int, pe
 def worker(argv=None) -> None:
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see train_gpt
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see examples.deepspeed.train_gpt
     import deepspeed
 
     import ftmem_deepspeed  # noqa: F401
 
-    from .gpt import GPT, GPTConfig, batch
+    from examples.deepspeed.gpt import GPT, GPTConfig, batch
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true")
@@ -158,8 +161,8 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
     work = tempfile.mkdtemp(prefix="ftmem-bench-ds-", dir=os.getcwd())
     job = f"bench-ds-{os.getpid()}"
     try:
-        f = run_for_figures("ftmem_deepspeed.bench", ["--worker", "--work", work, "--shm-dir", shm_dir], WORLD, job,
-                            os.path.join(work, "logs"), "DeepSpeed", 1800, env={"DS_ACCELERATOR": "cpu"})
+        f = run_for_figures("benchmarks.bench_deepspeed", ["--worker", "--work", work, "--shm-dir", shm_dir], WORLD,
+                            job, os.path.join(work, "logs"), "DeepSpeed", 1800, env={"DS_ACCELERATOR": "cpu"})
     finally:
         jobs.clean(shm_dir, job)
         shutil.rmtree(work, ignore_errors=True)
@@ -193,12 +196,18 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
     return result
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv=None) -> int:
+    """The benchmark; with ``--worker``, one of its ranks (started by :func:`bench_deepspeed`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--worker" in argv:
+        worker(argv)
+        return 0
+    parser = argparse.ArgumentParser(prog="ftmem bench deepspeed",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")
+    bench_deepspeed(parser.parse_args(argv).shm_dir)
+    return 0
 
-    if "--worker" in sys.argv:
-        worker()
-    else:
-        parser = argparse.ArgumentParser(prog="python -m ftmem_deepspeed.bench", description=__doc__.splitlines()[0])
-        parser.add_argument("--shm-dir", default="/dev/shm")
-        bench_deepspeed(parser.parse_args().shm_dir)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,11 +10,13 @@ import sys
 import tempfile
 
 from ftmem import jobs
-from ftmem.demo import crash_and_lose_node, report, say
-from ftmem.launch import LocalJob
+
+from examples.engine.demo import crash_and_lose_node, report, say
+from examples.launch import LocalJob
 
 WORLD, ITERS, KILL_AFTER, LOST_NODE, TIMEOUT_S = 3, 12, 7, 1, 600
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "zero1.json")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(REPO, "configs", "zero1.json")
 
 
 def run_demo(shm_dir: str = "/dev/shm") -> bool:
@@ -26,7 +28,7 @@ def run_demo(shm_dir: str = "/dev/shm") -> bool:
         os.makedirs(out_dir, exist_ok=True)
         args = ["--deepspeed-config", CONFIG, "--save-dir", os.path.join(out_dir, "ckpt"), "--iters", str(ITERS),
                 "--out", out_dir, "--ftmem", json.dumps({"shm_dir": shm_dir}), *extra]
-        return LocalJob("ftmem_deepspeed.train_gpt", args, WORLD, job_id, out_dir, env={"DS_ACCELERATOR": "cpu"})
+        return LocalJob("examples.deepspeed.train_gpt", args, WORLD, job_id, out_dir, env={"DS_ACCELERATOR": "cpu"})
 
     say(f"DeepSpeed ZeRO-1 trains a small GPT on {WORLD} ranks, one per virtual node, for {ITERS} steps; "
         f'"checkpoint": {{"engine": "ftmem"}} snapshots it to shared memory after every step, '

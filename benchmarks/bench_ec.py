@@ -17,11 +17,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import jobs
-from .codec import Codec
-from .engine import SnapshotEngine
-from .launch import report_figures, run_for_figures
-from .slots import DATA, PARITY
+from ftmem import jobs
+from ftmem.codec import Codec
+from ftmem.engine import SnapshotEngine
+from ftmem.slots import DATA, PARITY
+
+from examples.launch import report_figures, run_for_figures
 
 PIECE_MB = 64
 REPEAT = 3
@@ -100,7 +101,7 @@ def protect_time(mb_per_node: int, shm_dir: str) -> dict:
     logs = tempfile.mkdtemp(prefix="ftmem-bench-ec-")
     job = f"bench-ec-{os.getpid()}"
     try:
-        return run_for_figures("ftmem.bench_ec", ["--mb", str(mb_per_node), "--shm-dir", shm_dir], 3, job, logs,
+        return run_for_figures("benchmarks.bench_ec", ["--mb", str(mb_per_node), "--shm-dir", shm_dir], 3, job, logs,
                                "protect", 1800)
     finally:
         jobs.clean(shm_dir, job)
@@ -129,6 +130,20 @@ def bench_ec(mb_per_node: int = 1024, piece_mb: int = PIECE_MB, shm_dir: str = "
               "dp_held_mb": p["held"] / 2**20, "dp_shard_saving_x": p["held"] / p["data"]}
     print("RESULT " + " ".join(f"{k}={v:.6g}" for k, v in result.items()))
     return result
+
+
+def main(argv=None) -> int:
+    """``ftmem bench ec``. (Run as ``python -m benchmarks.bench_ec`` this module is one
+    rank of the protect benchmark, started by :func:`protect_time`.)"""
+    parser = argparse.ArgumentParser(prog="ftmem bench ec",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--mb", type=int, default=None, help="state size in MiB per node (default 1024)")
+    parser.add_argument("--piece-mb", type=int, default=PIECE_MB,
+                        help=f"MiB per piece in the throughput runs (default {PIECE_MB})")
+    parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")
+    args = parser.parse_args(argv)
+    bench_ec(mb_per_node=args.mb or 1024, piece_mb=args.piece_mb, shm_dir=args.shm_dir)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
-"""``python -m ftmem_megatron.bench``: an ftmem in-memory save against Megatron-LM's
-``--ckpt-format torch`` save (torch.save to disk) on the same megatron-core GPT and
-parallel layout in one run — what ``save_checkpoint`` blocks and what
-``load_checkpoint`` takes into a freshly built model and optimizer — and a persistent
-save written from memory (:mod:`ftmem_megatron.persist`): what its call blocks against
-the in-memory save's, and its background write against the torch save of the same files.
+"""``ftmem bench megatron`` (or ``python -m benchmarks.bench_megatron``): an ftmem
+in-memory save against Megatron-LM's ``--ckpt-format torch`` save (torch.save to disk)
+on the same megatron-core GPT and parallel layout in one run — what ``save_checkpoint``
+blocks and what ``load_checkpoint`` takes into a freshly built model and optimizer — and
+a persistent save written from memory (:mod:`ftmem_megatron.persist`): what its call
+blocks against the in-memory save's, and its background write against the torch save of
+the same files.
 
 Run without ``--worker`` it starts the ranks (run_for_figures), each running :func:`worker`;
 rank 0 prints the figures, and this process prints them and a ``RESULT`` line.
 
 The model and optimizer come from the driver's building blocks
-(:mod:`ftmem_megatron.pretrain_gpt`). Each save follows a training iteration; the
+(:mod:`examples.megatron.pretrain_gpt`). Each save follows a training iteration; the
 kinds take turns (a persistent save after one iteration, the in-memory and the torch
 save after the next), so load from outside the benchmark hits them alike. Before each
 timed ftmem save the previous snapshot is waited for (protected), and before each
@@ -32,7 +33,8 @@ import tempfile
 import time
 
 from ftmem import jobs
-from ftmem.launch import report_figures, run_for_figures
+
+from examples.launch import report_figures, run_for_figures
 
 WORLD = 2
 # ~53M parameters (the embedding is 24.6M of them), ~26M per rank at TP 2.
@@ -60,9 +62,10 @@ def worker(argv=None) -> None:
     import torch
     from megatron.core import parallel_state
 
-    from . import checkpointing, torch_checkpoint
-    from .pretrain_gpt import build_model, build_optimizer, initialize, parse_args, state_digest, train_step
-    from .pretrain_gpt import transformer_config
+    from ftmem_megatron import checkpointing, torch_checkpoint
+
+    from examples.megatron.pretrain_gpt import (build_model, build_optimizer, initialize, parse_args, state_digest,
+                                                train_step, transformer_config)
 
     parser = argparse.ArgumentParser(allow_abbrev=False)  # not --saves for the driver's --save
     parser.add_argument("--worker", action="store_true")
@@ -178,7 +181,8 @@ def bench_megatron(shape: dict = MODEL, tp: int = 2, saves: int = 3, shm_dir: st
             *driver_argv(shape, tp, os.path.join(work, "ftmem"), shm_dir, job)]
     started = time.monotonic()
     try:
-        f = run_for_figures("ftmem_megatron.bench", argv, WORLD, job, os.path.join(work, "logs"), "Megatron", timeout_s)
+        f = run_for_figures("benchmarks.bench_megatron", argv, WORLD, job, os.path.join(work, "logs"), "Megatron",
+                            timeout_s)
     finally:
         jobs.clean(shm_dir, job)
         shutil.rmtree(work, ignore_errors=True)
@@ -231,12 +235,18 @@ def run(args) -> int:
     return 0
 
 
+def main(argv=None) -> int:
+    """The benchmark; with ``--worker``, one of its ranks (started by :func:`bench_megatron`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--worker" in argv:
+        worker(argv)
+        return 0
+    parser = argparse.ArgumentParser(prog="ftmem bench megatron",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
 if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        worker(sys.argv[1:])
-    else:
-        parser = argparse.ArgumentParser(prog="python -m ftmem_megatron.bench",
-                                         description=__doc__.splitlines()[0])
-        parser.add_argument("--shm-dir", default="/dev/shm")
-        add_arguments(parser)
-        sys.exit(run(parser.parse_args()))
+    sys.exit(main())
