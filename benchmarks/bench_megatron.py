@@ -2,7 +2,7 @@
 in-memory save against Megatron-LM's ``--ckpt-format torch`` save (torch.save to disk)
 on the same megatron-core GPT and parallel layout in one run — what ``save_checkpoint``
 blocks and what ``load_checkpoint`` takes into a freshly built model and optimizer — and
-a persistent save written from memory (:mod:`ftmem_megatron.persist`): what its call
+a persistent save written from memory (:mod:`ftmem_megatron.format`): what its call
 blocks against the in-memory save's, and its background write against the torch save of
 the same files.
 
@@ -62,7 +62,8 @@ def worker(argv=None) -> None:
     import torch
     from megatron.core import parallel_state
 
-    from ftmem_megatron import checkpointing, torch_checkpoint
+    from examples.megatron import torch_checkpoint
+    from ftmem_megatron import checkpointing
 
     from examples.megatron.pretrain_gpt import (build_model, build_optimizer, initialize, parse_args, state_digest,
                                                 train_step, transformer_config)

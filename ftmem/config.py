@@ -102,12 +102,17 @@ class FtmemConfig:
     dp_shard: str = "auto"
     persist: PersistConfig = field(default_factory=PersistConfig)
     job_id: Optional[str] = None
+    # Memory holds a version of another layout, model or args: load the disk checkpoint
+    # instead of stopping (AdapterRuntime.restore).
+    allow_disk_fallback: bool = False
 
     def __post_init__(self) -> None:
         if self.ranks_per_node is not None and (
             not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
         ):
             raise ConfigError(f'"ftmem.ranks_per_node" must be a positive integer, got {self.ranks_per_node!r}.')
+        if not isinstance(self.allow_disk_fallback, bool):
+            raise ConfigError(f'"ftmem.allow_disk_fallback" must be true or false, got {self.allow_disk_fallback!r}.')
         if self.dp_shard not in DP_SHARD_CHOICES:
             raise ConfigError(f'"ftmem.dp_shard" must be one of {DP_SHARD_CHOICES}, got {self.dp_shard!r}.')
         if not os.path.isdir(self.shm_dir):

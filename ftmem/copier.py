@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .layout import ReplicaShard, SnapshotPlan, TensorEntry
+from .plan import ReplicaShard, SnapshotPlan, TensorEntry
 
 
 def slot_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:

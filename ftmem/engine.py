@@ -11,51 +11,38 @@ Typical loop (the copy overlaps the next forward/backward)::
         optimizer.step()
         handle = engine.save(state_dict(), it)   # returns at once; copies in the background
     engine.close(job_finished=True)              # frees the node's memory once all ranks finish
+
+The engine is a facade over parts with one job each: :class:`~ftmem.slot_memory.SlotMemory`
+(mapped slots), :class:`~ftmem.commit.Committer` (the commit protocol, on a background
+thread), :class:`~ftmem.restore.Restorer` (version agreement, rebuild, DP gather) and
+:mod:`ftmem.integrity` (checksums).
 """
 from __future__ import annotations
 
-import logging
-import mmap
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from . import testhooks
+from .commit import Committer
 from .config import FtmemConfig
-from .copier import CudaPinning, capture_cuda_order, copy_into_slot, read_from_slot, shard_bytes
-from .errors import CorruptShard, FtmemError, LayoutMismatch
+from .copier import capture_cuda_order
+from .errors import FtmemError
 from .handle import SaveHandle
 from .identity import RankIdentity
-from .layout import SnapshotPlan
 from .parallel import ParallelLayout, make_dp_groups
-from .persist import Flusher, FlushTarget
+from .persist import Flusher
 from .placement import ec_groups
-from .protect import ColumnCoder, Topology, make_column_groups, piece_size, plan_recovery, with_slot
-from .serialize import join_state, split_state
-from .slots import DATA, PARITY, CommitRecord, RankStore
+from .plan import SnapshotPlan
+from .protect import ColumnCoder, Topology, make_column_groups, piece_size
+from .restore import DataParallelPeers, Restored, Restorer
+from .serialize import split_state
+from .slot_memory import SlotMemory
+from .slots import CommitRecord, RankStore
 from .smp_client import SmpClient
 
-log = logging.getLogger("ftmem")
-
-
-@dataclass
-class Restored:
-    version: int
-    state: Any
-    rebuilt: bool = False  # this rank's data was rebuilt from its EC group's parity
-
-
-def _gather(obj: Any, group) -> list:
-    """Every rank's ``obj``, indexed by rank (just ours without a group)."""
-    if group is None:
-        return [obj]
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, obj, group=group)
-    return everyone
+__all__ = ["SnapshotEngine", "Restored"]
 
 
 def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
@@ -73,7 +60,9 @@ class SnapshotEngine:
     world size default to torch.distributed's, else RANK / WORLD_SIZE. With more
     than one rank, torch.distributed must be initialized: construction is then
     collective (it creates the engine's own gloo groups, kept apart from the
-    training groups, for agreeing on versions and moving parity).
+    training groups, for agreeing on versions, moving parity and joining DP shards).
+    ``format`` names the :class:`~ftmem.format.FrameworkFormat` that writes this job's
+    versions to disk; it is recorded in every version.
     """
 
     def __init__(
@@ -82,77 +71,54 @@ class SnapshotEngine:
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         layout: Optional[ParallelLayout] = None,
+        format: Optional[str] = None,
     ):
         self.config = config if isinstance(config, FtmemConfig) else FtmemConfig.from_dict(config)
         rank, world_size = _rank_and_world(rank, world_size)
         self.identity = RankIdentity.resolve(self.config, rank, world_size)
         self.layout = layout or ParallelLayout.data_parallel(world_size)
         self.layout.validate(world_size)
-        self._dp_group = self.layout.dp_group_of(rank)
-        shard = self.config.dp_shard == "on" or (self.config.dp_shard == "auto" and len(self._dp_group) > 1)
-        self._dp_shard = shard and len(self._dp_group) > 1
+        self.format = format
+        dp_ranks = self.layout.dp_group_of(rank)
+        dp_shard = len(dp_ranks) > 1 and self.config.dp_shard in ("on", "auto")
         k, m = self.config.ec.resolve(self.identity.num_nodes)
         self.topology = Topology(world_size, self.identity.ranks_per_node,
                                  tuple(ec_groups(self.identity.num_nodes, k, m)))
-        self._gloo = self._dp_pg = None
-        self._column: Optional[ColumnCoder] = None
+        gloo = dp_group = column = None
         if world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise FtmemError(
                     f"ftmem with {world_size} ranks needs torch.distributed initialized before the engine "
                     f"is created (call dist.init_process_group first)."
                 )
-            self._gloo = dist.new_group(backend="gloo")
-            if self._dp_shard:
-                self._dp_pg = make_dp_groups(self.layout, rank)
+            gloo = dist.new_group(backend="gloo")
+            dp_group = make_dp_groups(self.layout, rank)
             if m > 0:
-                self._column = ColumnCoder(self.topology, rank)
-                self._column.pg = make_column_groups(self.topology, rank)
-        node_ranks = list(range(self.identity.node * self.identity.ranks_per_node,
-                                (self.identity.node + 1) * self.identity.ranks_per_node))
-        self._smp = SmpClient(self.identity.node_dir, node_ranks)
+                column = ColumnCoder(self.topology, rank)
+                column.pg = make_column_groups(self.topology, rank)
+        #: this rank's DP replicas and their gloo group (adapters use it too: one group per DP group)
+        self.dp_peers = DataParallelPeers(ranks=dp_ranks, group=dp_group if len(dp_ranks) > 1 else None,
+                                          sharded=dp_shard)
+        #: a gloo group of the whole job, apart from the training groups (None on one rank)
+        self.job_group = gloo
+        self._dp_shard, self._column = dp_shard, column
+        node = self.identity.node
+        self._smp = SmpClient(self.identity.node_dir, list(range(node * self.identity.ranks_per_node,
+                                                                 (node + 1) * self.identity.ranks_per_node)))
         self._smp.request("hello", rank)
         self.store = RankStore(self.identity.node_dir, rank)
-        self._maps: dict[tuple[str, int], tuple[mmap.mmap, torch.Tensor]] = {}
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftmem-copy")
-        self._closed = False
-        self._flusher: Optional[Flusher] = None
+        self.memory = SlotMemory(self.store, self._smp)
+        self._restorer = Restorer(self.store, self.memory, self._smp, self.topology, column, gloo, self.dp_peers,
+                                  self.layout)
+        self._committer = Committer(self.store, self.memory, self._smp, column, gloo,
+                                    lambda record, slot_bytes: self._restorer.read_version(record, slot_bytes,
+                                                                                           torch.device("cpu")))
         self._inflight: Optional[SaveHandle] = None
-        self._last_copy: Optional[Future] = None  # the copy thread's last task (it never raises)
-        self._pinning = CudaPinning() if torch.cuda.is_available() else None
-        self._side_streams: dict = {}
+        self._closed = False
 
     @property
     def rank(self) -> int:
         return self.identity.rank
-
-    # -- memory ---------------------------------------------------------------
-    def _parity_estimate(self, nbytes: int) -> int:
-        """Parity bytes for ``nbytes`` of data, assuming the column's members are alike."""
-        return self._column.parity_nbytes(piece_size([nbytes], self._column.group.k)) if self._column else 0
-
-    def reserve(self, nbytes: int, parity_nbytes: Optional[int] = None) -> None:
-        """Have the SMP allocate the slots for ``nbytes`` of data now (checks the shm budget)."""
-        parity_nbytes = self._parity_estimate(nbytes) if parity_nbytes is None else parity_nbytes
-        grow = [kind for kind, want in ((DATA, nbytes), (PARITY, parity_nbytes)) if self.store.capacity(kind) < want]
-        if grow:
-            self._unmap(grow)
-            self._smp.request("alloc", self.rank, max(nbytes, self.store.capacity(DATA)),
-                              max(parity_nbytes, self.store.capacity(PARITY)))
-
-    def _slot_bytes(self, slot: int, kind: str = DATA) -> torch.Tensor:
-        if (kind, slot) not in self._maps:
-            mm = self.store.map_slot(slot, writable=True, kind=kind)
-            self._maps[(kind, slot)] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
-        return self._maps[(kind, slot)][1]
-
-    def _unmap(self, kinds=(DATA, PARITY)) -> None:
-        for key in [key for key in self._maps if key[0] in kinds]:
-            mm, view = self._maps.pop(key)
-            if self._pinning is not None:
-                self._pinning.release(view)
-            del view
-            mm.close()
 
     # -- save -----------------------------------------------------------------
     def save(self, state: Any, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
@@ -174,133 +140,67 @@ class SnapshotEngine:
         With ``persist`` (the same on every rank) the version is also flushed to disk
         once protected, whatever the interval of :meth:`persist_with`.
         """
-        if persist and self._flusher is None:
+        if persist and self._committer.flusher is None:
             raise FtmemError("save(persist=True) needs a persistent tier: call persist_with first.")
         self.wait()
         skeleton, tensors = split_state(state)
         flags = [bool(replicated(t)) for t in tensors] if (self._dp_shard and replicated) else None
-        replica = (self._dp_group.index(self.rank), len(self._dp_group))
+        replica = (self.dp_peers.ranks.index(self.rank), len(self.dp_peers.ranks))
         plan = SnapshotPlan.for_tensors(tensors, flags, replica)
-        self.reserve(plan.nbytes)
+        self.memory.reserve(plan.nbytes, self._parity_estimate(plan.nbytes))
         self.store.drop_from(version)
         slot = self.store.free_slot()
-        slot_bytes = self._slot_bytes(slot)
-        if self._pinning is not None and any(t.is_cuda for t in tensors):
-            self._pinning.ensure(slot_bytes)
-        cuda_ready = capture_cuda_order(tensors)
+        slot_bytes = self.memory.bytes_of(slot)
+        if any(t.is_cuda for t in tensors):
+            self.memory.pin(slot_bytes)
         handle = SaveHandle(version)
         record = CommitRecord(version=version, rank=self.rank, slot=slot, plan=plan, skeleton=skeleton,
-                              layout=self.layout)
-        self._last_copy = self._copier.submit(self._copy_and_commit, handle, record, tensors, slot_bytes, cuda_ready,
-                                              persist)
+                              layout=self.layout, format=self.format)
+        self._committer.start(handle, record, tensors, slot_bytes, capture_cuda_order(tensors), persist)
         self._inflight = handle
         return handle
 
-    def _copy_and_commit(self, handle: SaveHandle, record: CommitRecord, tensors, slot_bytes, cuda_ready,
-                         persist: bool) -> None:
-        version = record.version
-        try:
-            self.store.drop_slot(record.slot)  # what the slot held becomes invisible first
-            copy_into_slot(slot_bytes, tensors, record.plan, cuda_ready, self._side_streams,
-                           halfway=lambda: testhooks.at("mid_copy", self.rank, version))
-            self.store.write_commit(record)
-            testhooks.at("after_commit", self.rank, version)
-            handle._set_reusable()
-            try:
-                self._smp.request("committed", self.rank, version)
-            except Exception as e:  # the SMP seals it on its next rescan (restart or sync)
-                log.warning("ftmem: rank %d could not notify its SMP of version %d: %s", self.rank, version, e)
-            if self._column is not None:
-                self._protect(record, slot_bytes)
-            if self._gloo is not None:
-                # Job-wide: every rank committed (and protected) v. The next save waits
-                # for this before overwriting the older slot, so a rank one save ahead
-                # of a peer that crashed mid-copy still holds the version the peer has.
-                lowest = torch.tensor([version], dtype=torch.int64)
-                dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self._gloo)
-                if int(lowest) != version:
-                    raise FtmemError(f"ranks saved different versions at once (this rank {version}, "
-                                     f"another {int(lowest)}): every rank must save the same version.")
-                if self._column is not None:
-                    self.store.write_protected(version)
-            handle._set_committed()
-            if self._flusher is not None and self._flusher.due(asked=persist):
-                self._hand_over_for_flush(record, slot_bytes)
-        except BaseException as e:
-            handle._fail(e)
+    def _parity_estimate(self, nbytes: int) -> int:
+        """Parity bytes for ``nbytes`` of data, assuming the column's members are alike."""
+        return self._column.parity_nbytes(piece_size([nbytes], self._column.group.k)) if self._column else 0
 
-    def persist_with(self, target: FlushTarget, root: str, interval: int = 0, keep: Optional[int] = None) -> None:
-        """Flush protected versions to ``root`` through ``target`` (see :mod:`ftmem.persist`):
-        those saved with ``persist=True`` and, with ``interval`` > 0, every interval-th
-        one. ``keep``: how many flushed checkpoints to retain (None: all). Collective:
-        every rank, once."""
-        self._flusher = Flusher(root, interval, keep, target, self.rank, self.identity.world_size)
+    def persist_with(self, flusher: Flusher) -> None:
+        """Flush protected versions through ``flusher`` (see :mod:`ftmem.persist`): those
+        saved with ``persist=True`` and every ``flusher.interval``-th one."""
+        self._committer.flusher = flusher
+
+    def wait(self) -> None:
+        """Until the save in flight is committed by every rank, and protected (re-raises its error)."""
+        if self._inflight is not None:
+            handle, self._inflight = self._inflight, None
+            handle.wait_committed()
+
+    wait_protected = wait
 
     def wait_flushed(self) -> None:
         """Until every save so far is protected and any flush it started is on disk (or
-        failed, logged)."""
-        if self._flusher is not None:
-            if self._last_copy is not None:
-                self._last_copy.result()  # the copy thread has handed over what was due
-            self._flusher.wait()
+        failed, logged). Without a persistent tier: until every save is protected."""
+        self.wait()
+        self._committer.drain()  # the copy thread has handed over what was due
+        if self._committer.flusher is not None:
+            self._committer.flusher.wait()
 
     @property
     def last_flush(self) -> Optional[tuple[int, float]]:
         """(bytes this rank wrote, seconds) of the last completed flush; None if none."""
-        return self._flusher.last_flush if self._flusher is not None else None
-
-    def _hand_over_for_flush(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
-        """A whole private copy of the version for the flusher, unless a flush is still
-        running on any rank (then this version is skipped: flushes never queue)."""
-        busy = torch.tensor([int(self._flusher.busy())], dtype=torch.int64)
-        if self._gloo is not None:
-            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._gloo)
-        if busy.item():
-            print(f"ftmem: version {record.version} not flushed: the previous flush is still running "
-                  f"(the disk is slower than persist.interval saves)", flush=True)
-            return
-        self._flusher.start(record.version, self._read_version(record, slot_bytes, torch.device("cpu")))
-
-    def _protect(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
-        lengths, records, piece = self._column.exchange_info(record)
-        self.reserve(record.plan.nbytes, self._column.parity_nbytes(piece))
-        parity = self._slot_bytes(record.slot, PARITY).numpy()
-        self.store.write_parity(self._column.protect(record, slot_bytes.numpy(), parity, lengths, records, piece))
-
-    def wait(self) -> None:
-        """Wait until the save in flight is committed by every rank (re-raises its error)."""
-        if self._inflight is not None:
-            handle, self._inflight = self._inflight, None
-            handle.wait_committed()
+        flusher = self._committer.flusher
+        return flusher.last_flush if flusher is not None else None
 
     def wait_sealed(self) -> None:
         """Wait until the node's SMP has checksummed every committed version."""
         self.wait()
         self._smp.request("sync")
 
-    # -- what is held ---------------------------------------------------------
+    # -- restore --------------------------------------------------------------
     def versions(self) -> list[int]:
         """Versions this rank holds committed in shared memory, oldest first."""
         return sorted(self.store.committed())
 
-    def _intact(self) -> tuple[dict[int, CommitRecord], dict]:
-        """Held versions whose checksums match: data records, and parity (record, bytes)."""
-        data, parity = {}, {}
-        for v in self.versions():
-            try:
-                data[v] = self.store.verify(v)
-            except CorruptShard as e:
-                log.warning("ftmem: %s Treating it as lost.", e)
-                self.store.drop(v)
-        for v, slot in self.store.parity_held().items():
-            try:
-                parity[v] = (self.store.verify_parity(v), self._slot_bytes(slot, PARITY).numpy())
-            except CorruptShard as e:
-                log.warning("ftmem: %s Treating it as lost.", e)
-                self.store.drop_parity(v)
-        return data, parity
-
-    # -- restore --------------------------------------------------------------
     def restore(self, version: Optional[int] = None, device: Union[str, torch.device] = "cpu") -> Optional[Restored]:
         """Restore the newest version every rank can recover (collective over all ranks).
 
@@ -308,78 +208,13 @@ class SnapshotEngine:
         mismatch is logged and treated as a lost shard, never returned. A rank that
         lacks the version (its node was lost, or its copy is corrupt) gets its data
         rebuilt from its EC group's parity. Returns None if no rank holds any version
-        (a fresh job); raises :class:`~ftmem.protect.NotRecoverableFromMemory`, naming
+        (a fresh job); raises :class:`~ftmem.errors.NotRecoverableFromMemory`, naming
         the groups and nodes, if versions are held but none is recoverable for every
-        rank. Held versions newer than the restored one are dropped.
+        rank, and :class:`~ftmem.errors.LayoutMismatch` if the version was saved under
+        another parallel layout. Held versions newer than the restored one are dropped.
         """
         self.wait_sealed()  # whatever was committed but not sealed yet gets its checksum now
-        data, parity = self._intact()
-        held = _gather((sorted(data), sorted(parity)), self._gloo)
-        decision = plan_recovery(self.topology, [set(d) for d, _ in held], [set(p) for _, p in held], version)
-        if decision is None:
-            log.info("ftmem: rank %d: no version held by any rank: a fresh start", self.rank)
-            return None
-        chosen, to_rebuild = decision
-        if self._column is not None and any(r in to_rebuild for r in self._column_ranks()):
-            self._rebuild(chosen, held, data, parity)
-            data = {chosen: self.store.verify(chosen)} if self.rank in to_rebuild else data
-        record = data[chosen]
-        mismatch = record.layout and self.layout.mismatch(record.layout)
-        if mismatch:
-            raise LayoutMismatch(f"version {chosen} was saved under another parallel layout ({mismatch}). "
-                                 f"Restart with the layout it was saved with, or restore from a disk checkpoint.")
-        state = self._read_version(record, self._slot_bytes(record.slot), torch.device(device))
-        self.store.drop_from(chosen + 1)
-        return Restored(version=chosen, state=state, rebuilt=self.rank in to_rebuild)
-
-    def _read_version(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device) -> Any:
-        """The whole state of a version, in private memory on ``device``; a DP-sharded one
-        is gathered back from the replicas (collective over the DP group)."""
-        stream = self._gather_replicated(record.plan, slot_bytes) if record.plan.shard else None
-        return join_state(record.skeleton, read_from_slot(slot_bytes, record.plan, device, stream))
-
-    def _gather_replicated(self, plan: SnapshotPlan, slot_bytes: torch.Tensor) -> torch.Tensor:
-        """The whole replicated stream, from every DP replica's slice (collective over the DP group)."""
-        shard = plan.shard
-        if self._dp_pg is None or shard.count != len(self._dp_group):
-            raise LayoutMismatch(f"this version is DP-sharded over {shard.count} replicas, but the job now has "
-                                 f"DP sharding {'on' if self._dp_shard else 'off'} over {len(self._dp_group)}.")
-        sizes = _gather(shard.stream_nbytes, self._dp_pg)
-        if len(set(sizes)) != 1:
-            raise FtmemError(f"the replicas {list(self._dp_group)} saved different replicated state "
-                             f"(stream sizes {sizes}): every replica must mark the same tensors replicated.")
-        # Each replica broadcasts its slice straight into place: on gloo, D broadcasts
-        # move the bytes about twice as fast as one all_gather, and need no staging.
-        stream = torch.empty(shard.stream_nbytes, dtype=torch.uint8)
-        for d, src in enumerate(self._dp_group):
-            start, end = shard.stream_nbytes * d // shard.count, shard.stream_nbytes * (d + 1) // shard.count
-            if d == shard.index:
-                stream[start:end] = shard_bytes(slot_bytes, plan)
-            dist.broadcast(stream[start:end], src=src, group=self._dp_pg)
-        return stream
-
-    def _column_ranks(self) -> list[int]:
-        t = self.topology
-        return t.column_ranks(t.group_index(self.rank), self.identity.local_rank)
-
-    def _rebuild(self, version: int, held, data: dict, parity: dict) -> None:
-        ranks = self._column_ranks()
-        has_data = {pos for pos, r in enumerate(ranks) if version in held[r][0]}
-        has_parity = {pos for pos, r in enumerate(ranks) if version in held[r][1]}
-        mine = self._slot_bytes(data[version].slot).numpy() if version in data else None
-        rebuilt = self._column.rebuild(has_data, has_parity, mine, parity.get(version))
-        if rebuilt is None:
-            return
-        record, raw = rebuilt
-        self.reserve(record.plan.nbytes)
-        self.store.drop(version)
-        slot = self.store.free_slot()
-        self.store.drop_slot(slot)
-        self._slot_bytes(slot).numpy()[: len(raw)] = raw
-        self.store.write_commit(with_slot(record, slot))
-        self._smp.request("committed", self.rank, version)
-        self._smp.request("sync")
-        log.info("ftmem: rank %d rebuilt version %d (%d bytes) from its EC group's parity", self.rank, version, len(raw))
+        return self._restorer.restore(version, torch.device(device))
 
     # -- end --------------------------------------------------------------------
     def close(self, job_finished: bool = False) -> None:
@@ -394,11 +229,10 @@ class SnapshotEngine:
             return
         self._closed = True
         try:
-            self.wait()
             self.wait_flushed()
         finally:
-            self._copier.shutdown(wait=True)
-            self._unmap()
+            self._committer.shutdown()
+            self.memory.unmap()
             if job_finished:
                 self._smp.finish(self.rank)
             self._smp.close()

@@ -31,3 +31,7 @@ class CorruptShard(FtmemError):
 
 class LayoutMismatch(FtmemError):
     """A held version was saved under another parallel layout than the job runs now."""
+
+
+class UnsupportedTensor(FtmemError, TypeError):
+    """A tensor kind a snapshot cannot hold (a subclass such as DTensor, sparse, quantized, meta)."""

@@ -10,16 +10,14 @@ memory. Every node directory of the job must be visible in the shared-memory
 directory (one host's virtual nodes, or node directories gathered there); a lost
 node's ranks are rebuilt from parity by a restarted job, not by export.
 
-The layout is the adapter's: every snapshot names the module (``EXPORT_WITH``) whose
-``export_dp_group(group, read_state, directory, wrote)`` writes one DP group's files and
-returns the checkpoint's name, and whose ``publish(root, name)`` points the framework at
-it. The directory is written under a temporary name and renamed when complete, as the
+The layout on disk is the framework's: every version names its
+:class:`~ftmem.format.FrameworkFormat` in its commit record, whose ``write_group`` writes
+one DP group's files and whose ``publish`` points the framework at the result. The directory is written under a temporary name and renamed when complete, as the
 persistent tier's flushes are (:func:`ftmem.persist.publish`).
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import shutil
 import sys
@@ -29,14 +27,13 @@ from typing import Any, Optional, TextIO
 
 import torch
 
-from . import jobs
+from . import integrity, jobs
 from .copier import read_from_slot, shard_bytes
 from .errors import CorruptShard, FtmemError
+from .format import FrameworkFormat, format_named
 from .persist import publish
 from .serialize import join_state
 from .slots import CommitRecord, RankStore
-
-EXPORT_WITH = "ftmem_export_with"  # the snapshot state's key naming the adapter module that writes its layout
 
 
 @dataclass
@@ -125,11 +122,11 @@ def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
     in the framework's layout; returns where, what and how fast."""
     held = _HeldJob(shm_dir, job)
     version, first = held.choose(version)
-    writer = _adapter(first)
+    writer = _format_of(first)
     records: dict[int, CommitRecord] = {}
     for rank, store in held.stores.items():
         try:
-            records[rank] = store.verify(version)
+            records[rank] = integrity.verify(store, version)
         except CorruptShard as e:
             raise FtmemError(f"job {job} version {version} cannot be exported: {e} Export an older version "
                              f"(--version), or try again once the SMPs have sealed it.") from e
@@ -163,8 +160,7 @@ def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
     os.makedirs(os.path.join(out, staging))
     started = time.monotonic()
     try:
-        names = {writer.export_dp_group(group, read_state, os.path.join(out, staging),
-                                        lambda n: progress.add(written=n))
+        names = {writer.write_group(group, read_state, os.path.join(out, staging), lambda n: progress.add(written=n))
                  for group in first.layout.dp_groups}
     finally:
         progress.end()
@@ -173,12 +169,9 @@ def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
     return Exported(os.path.join(out, name), version, progress.written, time.monotonic() - started)
 
 
-def _adapter(record: CommitRecord):
-    """The adapter module that writes this snapshot's layout, named in the state itself
-    (read from the skeleton alone: no tensor is needed for it)."""
-    state = join_state(record.skeleton, [None] * len(record.plan.entries))
-    module = state.get(EXPORT_WITH) if isinstance(state, dict) else None
-    if module is None:
-        raise FtmemError("this job's snapshots name no checkpoint layout to export to (they were not saved through "
-                         "the DeepSpeed or Megatron adapter).")
-    return importlib.import_module(module)
+def _format_of(record: CommitRecord) -> FrameworkFormat:
+    """The framework format that writes this version, as its commit record names it."""
+    if record.format is None:
+        raise FtmemError("this job's snapshots name no framework format to export to (they were saved through "
+                         "the engine directly, not through the DeepSpeed or Megatron adapter).")
+    return format_named(record.format)

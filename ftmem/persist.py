@@ -7,7 +7,7 @@ private, whole copy of the version (the DP-sharded replicated state gathered bac
 the replicas), so a flush never holds a slot that a newer save needs. If a flush is
 still running on any rank when the next one is due, that version is skipped and
 logged: flushes never queue. A flush writes this rank's files through the adapter's
-:class:`FlushTarget` into ``<dir>/.<name>.tmp``; once every rank has written its part
+:class:`~ftmem.format.FrameworkFormat` into ``<dir>/.<name>.tmp``; once every rank has written its part
 (an all-reduce on the flusher's own gloo group), rank 0 renames it to ``<dir>/<name>``,
 updates the framework's pointer (DeepSpeed's ``latest``, Megatron's
 ``latest_checkpointed_iteration.txt``) and deletes the oldest flushes beyond ``keep``.
@@ -20,36 +20,22 @@ only the training processes have the process groups to gather it.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import threading
 import time
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import testhooks
+from .format import FrameworkFormat
+from .logs import job_info, rank_error, rank_info
 from .slots import write_atomically
-
-log = logging.getLogger("ftmem")
 
 MANIFEST = "ftmem_flushed.json"  # what this tier completed, oldest first: [{"name", "version"}]
 PROGRESS_EVERY_S = 5.0
-
-
-class FlushTarget(Protocol):
-    """What an adapter tells the flusher about its framework's layout."""
-
-    def name(self, version: int, state: Any) -> str:
-        """The checkpoint's directory name under the persist dir (DeepSpeed: the tag)."""
-
-    def write(self, state: Any, directory: str, wrote: Callable[[int], None]) -> None:
-        """Write this rank's files of ``state`` into ``directory``; call ``wrote(nbytes)`` after each."""
-
-    def publish(self, root: str, name: str) -> None:
-        """On rank 0, after ``<root>/<name>`` is complete: point the framework at it."""
 
 
 def save_atomically(obj: Any, path: str) -> None:
@@ -72,9 +58,11 @@ def flushed(root: str) -> list[dict]:
 class Flusher:
     """One rank's side of the persistent tier. Construction is collective (a gloo group)."""
 
-    def __init__(self, root: str, interval: int, keep: Optional[int], target: FlushTarget, rank: int,
-                 world_size: int):
-        self.root, self.interval, self.keep, self.target, self.rank = root, interval, keep, target, rank
+    def __init__(self, root: str, interval: int, keep: Optional[int], format: FrameworkFormat, rank: int,
+                 first_replica: bool, world_size: int):
+        """``first_replica``: this rank writes the files its DP replicas hold alike."""
+        self.root, self.interval, self.keep, self.format, self.rank = root, interval, keep, format, rank
+        self.first_replica = first_replica
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
         self._protected = 0
         self._thread: Optional[threading.Thread] = None
@@ -99,7 +87,7 @@ class Flusher:
             self._thread.join()
 
     def _flush(self, version: int, state: Any) -> None:
-        name = self.target.name(version, state)
+        name = self.format.checkpoint_name(version, state)
         root = self.root
         staging = os.path.join(root, f".{name}.tmp")
         written, started = 0, time.monotonic()
@@ -112,8 +100,8 @@ class Flusher:
             now = time.monotonic()
             if now - reported >= PROGRESS_EVERY_S:
                 reported = now
-                print(f"ftmem: rank {self.rank} flushing version {version}: {written / 2**20:.1f} MiB written, "
-                      f"{written / (now - started) / 1e9:.2f} GB/s", flush=True)
+                rank_info(self.rank, "flushing version %d: %.1f MiB written, %.2f GB/s", version, written / 2**20,
+                          written / (now - started) / 1e9)
 
         if self.rank == 0:  # what a flush of the same name left when it was killed midway
             shutil.rmtree(staging, ignore_errors=True)
@@ -122,9 +110,9 @@ class Flusher:
         ok = True
         try:
             os.makedirs(staging, exist_ok=True)
-            self.target.write(state, staging, wrote)
+            self.format.write_rank(state, staging, self.rank, self.first_replica, wrote)
         except Exception as e:  # a disk problem must not kill training: memory still protects it
-            log.error("ftmem: rank %d could not flush version %d to %s: %s", self.rank, version, staging, e)
+            rank_error(self.rank, "could not flush version %d to %s: %s", version, staging, e)
             ok = False
         if self._group is not None:
             everyone_ok = torch.tensor([int(ok)], dtype=torch.int64)
@@ -134,15 +122,15 @@ class Flusher:
         if not ok:
             done = flushed(root)
             newest = done[-1]["name"] if done else "no checkpoint"
-            print(f"ftmem: version {version} was not flushed (a rank failed to write it); "
-                  f"{newest} stays the newest on disk", flush=True)
+            job_info("version %d was not flushed (a rank failed to write it); %s stays the newest on disk",
+                     version, newest)
             return
         if self.rank == 0:
-            publish(root, os.path.basename(staging), name, version, self.target.publish, self.keep)
+            publish(root, os.path.basename(staging), name, version, self.format.publish, self.keep)
         self.last_flush = (written, seconds)
-        print(f"ftmem: rank {self.rank} flushed version {version} to {os.path.join(root, name)}: "
-              f"{written / 2**20:.1f} MiB in {seconds:.2f} s ({written / max(seconds, 1e-9) / 1e9:.2f} GB/s)",
-              flush=True)
+        rank_info(self.rank, "flushed version %d to %s: %.1f MiB in %.2f s (%.2f GB/s)", version,
+                  os.path.join(root, name), written / 2**20, seconds, written / max(seconds, 1e-9) / 1e9)
+
 
 def publish(root: str, staging: str, name: str, version: int, point_at: Callable[[str, str], None],
             keep: Optional[int]) -> None:

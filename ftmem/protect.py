@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .checksum import checksum
 from .codec import Codec
 from .errors import NotRecoverableFromMemory
-from .layout import ALIGN
+from .plan import ALIGN
 from .placement import ECGroup
 from .slots import CommitRecord, ParityRecord
 

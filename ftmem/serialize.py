@@ -16,11 +16,9 @@ from typing import Any, Sequence
 
 import torch
 
+from .errors import UnsupportedTensor
+
 _TENSOR_REF = "ftmem.tensor"
-
-
-class UnsupportedTensor(TypeError):
-    pass
 
 
 def _check_plain_tensor(t: torch.Tensor) -> None:

@@ -27,11 +27,9 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .checksum import ALGORITHM, checksum
-from .errors import CorruptShard, ShmBudgetError
-from .layout import SnapshotPlan
+from .errors import CorruptShard
+from .plan import SnapshotPlan
 from .parallel import ParallelLayout
-from .units import fmt_bytes
 
 NUM_SLOTS = 2
 DATA, PARITY = "slot", "parity"
@@ -54,7 +52,8 @@ class CommitRecord:
     slot: int
     plan: SnapshotPlan
     skeleton: bytes
-    layout: Optional[ParallelLayout] = None  # the job's layout when the version was saved
+    layout: Optional[ParallelLayout] = None  # the job's parallel layout when the version was saved
+    format: Optional[str] = None  # the FrameworkFormat that writes it to disk (ftmem.format), by name
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,9 @@ def ranks_in(node_dir: str) -> list[int]:
 
 
 class RankStore:
-    """One rank's slots, markers and seals in a node directory."""
+    """One rank's files in a node directory: their names, which versions the markers say
+    are held, and reading and writing markers and seals. Checking bytes against seals is
+    :mod:`ftmem.integrity`; allocating the slots is the SMP's (:mod:`ftmem.allocation`)."""
 
     def __init__(self, node_dir: str, rank: int):
         self.node_dir = node_dir
@@ -177,87 +178,40 @@ class RankStore:
     def write_parity(self, record: ParityRecord) -> None:
         write_atomically(self.parity_marker_path(record.version, record.slot), pickle.dumps(record, protocol=5))
 
-    def verify_parity(self, version: int) -> ParityRecord:
-        """The version's parity record if its pieces match their checksums; CorruptShard if not."""
+    def read_parity(self, version: int) -> tuple[int, bytes]:
+        """(parity slot, raw parity marker) of a version; CorruptShard if there is none."""
         slot = self.parity_held().get(version)
         if slot is None:
             raise CorruptShard(f"rank {self.rank} holds no parity for version {version}.")
-        try:
-            with open(self.parity_marker_path(version, slot), "rb") as f:
-                record: ParityRecord = pickle.loads(f.read())
-        except Exception as e:
-            raise CorruptShard(f"rank {self.rank} version {version}: parity marker unreadable ({e}).") from e
-        with self.map_slot(slot, writable=False, kind=PARITY) as mm, memoryview(mm) as whole:
-            for i, expected in enumerate(record.checksums):
-                start, end = i * record.piece_size, (i + 1) * record.piece_size
-                if len(whole) < end or checksum(whole[start:end]) != expected:
-                    raise CorruptShard(
-                        f"rank {self.rank} version {version}: parity piece {i} in "
-                        f"{self.slot_path(slot, PARITY)} does not match its checksum."
-                    )
-        return record
+        return slot, read_bytes(self.parity_marker_path(version, slot))
 
     def write_commit(self, record: CommitRecord) -> None:
         write_atomically(self.commit_path(record.version, record.slot), pickle.dumps(record, protocol=5))
 
-    def read_commit(self, version: int) -> CommitRecord:
+    def read_marker(self, version: int) -> tuple[int, bytes]:
+        """(slot, raw commit marker) of a committed version; CorruptShard if it is not committed."""
         slot = self.committed().get(version)
         if slot is None:
             raise CorruptShard(f"rank {self.rank} holds no committed version {version} in {self.node_dir}.")
-        with open(self.commit_path(version, slot), "rb") as f:
-            raw = f.read()
+        return slot, read_bytes(self.commit_path(version, slot))
+
+    def read_commit(self, version: int) -> CommitRecord:
+        _, raw = self.read_marker(version)
         try:
             return pickle.loads(raw)
         except Exception as e:
             raise CorruptShard(f"rank {self.rank} version {version}: commit marker unreadable ({e}).") from e
 
-    # -- checksums ---------------------------------------------------------
-    def seal(self, version: int) -> Optional[dict]:
-        """Compute and store the checksums of a committed version; None if it vanished."""
-        try:
-            slot = self.committed()[version]
-            with open(self.commit_path(version, slot), "rb") as f:
-                marker = f.read()
-            record: CommitRecord = pickle.loads(marker)
-            with self.map_slot(slot, writable=False) as mm:
-                data = checksum(memoryview(mm)[: record.plan.nbytes])
-        except (KeyError, FileNotFoundError):
-            return None  # overwritten by a newer save meanwhile: nothing to seal
-        seal = {"algorithm": ALGORITHM, "nbytes": record.plan.nbytes, "data": data, "commit": checksum(marker)}
-        if version in self.committed():
-            write_atomically(self.seal_path(version), json.dumps(seal).encode())
-        else:
-            unlink_if_present(self.seal_path(version))
-        return seal
+    def write_seal(self, version: int, seal: dict) -> None:
+        write_atomically(self.seal_path(version), json.dumps(seal).encode())
 
     def read_seal(self, version: int) -> Optional[dict]:
         try:
-            with open(self.seal_path(version), "rb") as f:
-                return json.loads(f.read())
+            return json.loads(read_bytes(self.seal_path(version)))
         except FileNotFoundError:
             return None
         except ValueError:
             return {"unreadable": True}
-
-    def verify(self, version: int) -> CommitRecord:
-        """Return the version's record if its bytes match its seal; raise CorruptShard if not."""
-        seal = self.read_seal(version)
-        if seal is None or seal.get("unreadable"):
-            raise CorruptShard(f"rank {self.rank} version {version}: no readable checksum (seal) in {self.node_dir}.")
-        slot = self.committed().get(version)
-        if slot is None:
-            raise CorruptShard(f"rank {self.rank} version {version}: commit marker missing.")
-        with open(self.commit_path(version, slot), "rb") as f:
-            marker = f.read()
-        if checksum(marker) != seal["commit"]:
-            raise CorruptShard(f"rank {self.rank} version {version}: commit marker does not match its checksum.")
-        record: CommitRecord = pickle.loads(marker)
-        with self.map_slot(slot, writable=False) as mm:
-            if len(mm) < seal["nbytes"] or checksum(memoryview(mm)[: seal["nbytes"]]) != seal["data"]:
-                raise CorruptShard(
-                    f"rank {self.rank} version {version}: data in {self.slot_path(slot)} does not match its checksum."
-                )
-        return record
 
     # -- memory ------------------------------------------------------------
     def map_slot(self, slot: int, writable: bool, kind: str = DATA) -> mmap.mmap:
@@ -265,40 +219,10 @@ class RankStore:
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=prot)
 
-    def allocate(self, nbytes: int, parity_nbytes: int) -> None:
-        """Grow both data slots to ``nbytes`` and both parity slots to ``parity_nbytes``,
-        reserving the pages now.
 
-        The budget counts two versions of data and parity, so a shared-memory
-        filesystem that is too small fails here, at the first save, with the
-        numbers, and not with SIGBUS in the middle of training.
-        """
-        growth = {kind: max(0, want - self.capacity(kind)) for kind, want in ((DATA, nbytes), (PARITY, parity_nbytes))}
-        needed = NUM_SLOTS * sum(growth.values())
-        if needed == 0:
-            return
-        st = os.statvfs(self.node_dir)
-        free = st.f_bavail * st.f_frsize
-        message = (
-            f"shared memory too small: rank {self.rank} needs {fmt_bytes(needed)} more in {self.node_dir} "
-            f"({NUM_SLOTS} versions x ({fmt_bytes(nbytes)} data + {fmt_bytes(parity_nbytes)} parity)), "
-            f"but that filesystem has {fmt_bytes(free)} free. Enlarge it (docker run --shm-size=..., "
-            f"or mount -o remount,size=... {os.path.dirname(os.path.dirname(os.path.dirname(self.node_dir)))}) "
-            f"or set \"shm_dir\" to a larger tmpfs."
-        )
-        if needed > free:
-            raise ShmBudgetError(message)
-        for kind, size in ((DATA, nbytes), (PARITY, parity_nbytes)):
-            if not growth[kind]:
-                continue
-            for slot in range(NUM_SLOTS):
-                fd = os.open(self.slot_path(slot, kind), os.O_RDWR | os.O_CREAT, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    raise ShmBudgetError(f"{message} (allocation failed: {e.strerror})") from e
-                finally:
-                    os.close(fd)
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def unlink_if_present(path: str) -> None:

@@ -25,7 +25,9 @@ import threading
 from multiprocessing.connection import Connection, Listener
 
 from .errors import FtmemError
-from .slots import RankStore, unlink_if_present, ranks_in
+from . import integrity
+from .allocation import allocate
+from .slots import RankStore, ranks_in, unlink_if_present
 
 log = logging.getLogger("ftmem.smp")
 
@@ -71,7 +73,7 @@ class SnapshotManager:
                 with self._seal_lock:
                     store = RankStore(self.node_dir, rank)
                     if not self._releasing and store.read_seal(version) is None:
-                        store.seal(version)
+                        integrity.seal(store, version)
             except Exception:  # one bad shard must not stop sealing the others
                 log.exception("sealing rank %d version %d failed", rank, version)
             finally:
@@ -85,7 +87,7 @@ class SnapshotManager:
         if kind == "alloc":
             _, rank, nbytes, parity_nbytes = msg
             with self._lock:
-                RankStore(self.node_dir, rank).allocate(nbytes, parity_nbytes)
+                allocate(RankStore(self.node_dir, rank), nbytes, parity_nbytes)
             return ("ok",)
         if kind == "committed":
             self._seal_queue.put((msg[1], msg[2]))

@@ -23,16 +23,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from ftmem import FtmemConfig, ParallelLayout, SnapshotEngine
-from ftmem.errors import FtmemError, NotRecoverableFromMemory
-from ftmem.export import EXPORT_WITH
-from ftmem.lifecycle import close_at_exit
-from ftmem.parallel import gather_dp_groups
-from ftmem.persist import flushed
-from ftmem.rng import rng_states, set_rng_states
-from ftmem.slots import write_atomically
+from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, ParallelLayout, flushed, gather_dp_groups,
+                   write_atomically)
 
-from .persist import DeepSpeedFlushTarget, rng_file
+from .format import DeepSpeedFormat
 
 STUB_MAGIC = "ftmem in-memory checkpoint stub"
 
@@ -84,7 +78,7 @@ def _is_layer_file(key: str) -> bool:
     return os.path.basename(key).startswith("layer_")
 
 
-def _layout(zero_stage: int) -> ParallelLayout:
+def parallel_layout(zero_stage: int) -> ParallelLayout:
     """The job's DP groups as DeepSpeed formed them (sequence-DP included); collective."""
     from deepspeed.utils import groups
 
@@ -104,27 +98,15 @@ class FtmemCheckpointEngine(CheckpointEngine):
         section = (getattr(config_params, "_param_dict", None) or {}).get("ftmem")
         self.config = FtmemConfig.from_dict(section)
         self.zero_stage = zero_stage
-        layout = _layout(zero_stage)
-        self.snapshots = SnapshotEngine(self.config, layout=layout)
-        # A gloo group per DP group (collective creation), to hand pipeline layer files to
-        # the replicas that did not write them.
-        self._dp_ranks = layout.dp_group_of(dist.get_rank())
-        self._dp_pg = None
-        for group in layout.dp_groups:
-            pg = dist.new_group(ranks=sorted(group), backend="gloo")
-            if dist.get_rank() in group:
-                self._dp_pg = pg
+        persist = self.config.persist
+        self.format = DeepSpeedFormat()
+        self.runtime = AdapterRuntime(self.config, parallel_layout(zero_stage), self.format, persist.dir,
+                                      persist.interval, persist.keep)
         self._files: dict[str, Any] = {}
         self._replicated: set[int] = set()
-        self._handle = None
         self._restored: Optional[dict] = None
         self._restore_tried = False
         self._disk_dir: Optional[str] = None  # the persisted checkpoint a restart fell back to
-        if self.config.persist.dir:
-            persist = self.config.persist
-            self.snapshots.persist_with(DeepSpeedFlushTarget(dist.get_rank(), self._dp_ranks[0] == dist.get_rank()),
-                                        persist.dir, persist.interval, persist.keep)
-        close_at_exit(self.snapshots)
 
     # -- DeepSpeed's interface ----------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -142,15 +124,14 @@ class FtmemCheckpointEngine(CheckpointEngine):
             for part in ("module", "optimizer") if self.zero_stage == 0 else ("module",):
                 self._replicated |= {id(t) for t in _tensors(state_dict.get(part))}
         metadata = {k: v for k, v in state_dict.items() if not _tensors(v)} if isinstance(state_dict, dict) else {}
-        stub = pickle.dumps({"tag_file": key, "job": self.snapshots.identity.job, "metadata": metadata})
+        stub = pickle.dumps({"tag_file": key, "job": self.runtime.engine.identity.job, "metadata": metadata})
         write_atomically(path, STUB_MAGIC.encode() + stub)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Start the snapshot of everything saved since ``create``; returns at once."""
         version = self._version()
-        state = {"files": self._files, "rng": rng_states(), "tag": info.tag, EXPORT_WITH: DeepSpeedFlushTarget.__module__}
         replicated = self._replicated
-        self._handle = self.snapshots.save(state, version, replicated=lambda t: id(t) in replicated)
+        self.runtime.save({"files": self._files, "tag": info.tag}, version, replicated=lambda t: id(t) in replicated)
         self._files, self._replicated = {}, set()
         return True
 
@@ -181,18 +162,15 @@ class FtmemCheckpointEngine(CheckpointEngine):
     # -- ftmem ---------------------------------------------------------------------------
     def wait_reusable(self) -> None:
         """Before the optimizer writes the state again: the snapshot's copy must be done."""
-        if self._handle is not None:
-            self._handle.wait_reusable()
+        self.runtime.wait_reusable()
 
     def wait_protected(self) -> None:
         """Until the last snapshot is committed and protected on every rank."""
-        if self._handle is not None:
-            self._handle.wait_committed()
+        self.runtime.wait_protected()
 
     def wait_flushed(self) -> None:
         """Until the last snapshot is protected and any flush to the persist dir is done."""
-        self.wait_protected()
-        self.snapshots.wait_flushed()
+        self.runtime.wait_flushed()
 
     def _version(self) -> int:
         steps = {sd.get("global_steps") for sd in self._files.values() if isinstance(sd, dict)} - {None}
@@ -204,42 +182,36 @@ class FtmemCheckpointEngine(CheckpointEngine):
         return isinstance(state_dict, dict) and "module" in state_dict and self.zero_stage < 3
 
     def _restore(self) -> Optional[dict]:
-        """Restore once per process, at DeepSpeed's first load (all ranks reach it together)."""
-        if not self._restore_tried:
-            self._restore_tried = True
-            try:
-                restored = self.snapshots.restore()
-                reason = "memory holds no version"
-            except NotRecoverableFromMemory as e:
-                restored, reason = None, str(e)
-            if restored is None and self.config.persist.dir and flushed(self.config.persist.dir):
-                self._restore_from_disk(reason)
-            elif restored is not None:
-                self._restored = restored.state
-                self._share_layer_files(restored.state["files"])
-                set_rng_states(restored.state["rng"])
-                how = ", rebuilt from parity" if restored.rebuilt else ""
-                print(f"ftmem: restored iteration {restored.version} from memory "
-                      f"(rank {self.snapshots.rank}, tag {restored.state['tag']}{how})", flush=True)
+        """Restore once per process, at DeepSpeed's first load (all ranks reach it together):
+        memory, else the persistent tier's newest checkpoint, whatever tag DeepSpeed asks for."""
+        if self._restore_tried:
+            return self._restored
+        self._restore_tried = True
+        persist_dir = self.config.persist.dir
+        on_disk = flushed(persist_dir)[-1] if persist_dir and flushed(persist_dir) else None
+        resumption = self.runtime.restore(disk_version=on_disk["version"] if on_disk else None)
+        if resumption.source == MEMORY:
+            restored = resumption.restored
+            self._restored = restored.state
+            self._share_layer_files(restored.state["files"])
+            self.runtime.resumed_from_memory(restored, detail=f"tag {restored.state['tag']}")
+        elif resumption.source == DISK:
+            self._disk_dir = os.path.join(persist_dir, on_disk["name"])
+            self.format.restore_rng_from(self._disk_dir, self.runtime.rank)
+            self.runtime.resumed_from_disk(on_disk["version"], self._disk_dir, resumption.reason)
+        else:
+            self.runtime.resumed_from_scratch(resumption.reason)
         return self._restored
-
-    def _restore_from_disk(self, reason: str) -> None:
-        """Serve DeepSpeed's loads from the newest flushed checkpoint, whatever tag it asks for."""
-        newest = flushed(self.config.persist.dir)[-1]
-        self._disk_dir = os.path.join(self.config.persist.dir, newest["name"])
-        set_rng_states(torch.load(os.path.join(self._disk_dir, rng_file(dist.get_rank())), weights_only=False))
-        print(f"ftmem: restored iteration {newest['version']} from disk {self._disk_dir} (rank {dist.get_rank()}; "
-              f"memory could not serve: {reason})", flush=True)
 
     def _share_layer_files(self, files: dict) -> None:
         """The pipeline engine writes a stage's layer files from its first DP replica only,
         but every replica loads them: that replica sends them to the others (collective
         over the DP group, at restore only)."""
-        if len(self._dp_ranks) == 1:
+        if self.runtime.dp_group is None:
             return
-        source = self._dp_ranks[0]
+        source = self.runtime.dp_ranks[0]
         shared = [{k: v for k, v in files.items() if _is_layer_file(k)} if dist.get_rank() == source else None]
-        dist.broadcast_object_list(shared, src=source, group=self._dp_pg)
+        dist.broadcast_object_list(shared, src=source, group=self.runtime.dp_group)
         for key, state_dict in shared[0].items():
             files.setdefault(key, state_dict)
 

@@ -18,6 +18,7 @@ import functools
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 
 WATCHED_MODULE = "deepspeed.runtime.engine"
 ENGINE_NAME = "ftmem"
@@ -71,7 +72,11 @@ class _GuardingLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        guard_engine_factory(module)
+        try:
+            guard_engine_factory(module)
+        except Exception as e:  # DeepSpeed must import whatever happens to the guard
+            warnings.warn(f"ftmem_guard could not guard DeepSpeed's checkpoint engine factory ({e!r}); "
+                          f"\"engine\": \"ftmem\" now needs `import ftmem_deepspeed` to take effect.")
 
     def __getattr__(self, name):  # get_source, get_code, ... for tracebacks and tools
         return getattr(self.loader, name)
@@ -81,14 +86,21 @@ class _EngineImportWatcher(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != WATCHED_MODULE:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        except Exception:  # let the import system report it, without the guard in the way
+            return None
         if spec is not None and spec.loader is not None:
             spec.loader = _GuardingLoader(spec.loader)
         return spec
 
 
 def arm() -> None:
-    """Entry point called by ``import torch``; idempotent."""
-    if any(isinstance(finder, _EngineImportWatcher) for finder in sys.meta_path):
-        return
-    sys.meta_path.insert(0, _EngineImportWatcher())
+    """Entry point called by ``import torch``; idempotent. It never raises: whatever
+    goes wrong here must not break ``import torch``, so it becomes a warning."""
+    try:
+        if not any(isinstance(finder, _EngineImportWatcher) for finder in sys.meta_path):
+            sys.meta_path.insert(0, _EngineImportWatcher())
+    except Exception as e:
+        warnings.warn(f"ftmem_guard could not arm ({e!r}); \"engine\": \"ftmem\" now needs "
+                      f"`import ftmem_deepspeed` to take effect.")

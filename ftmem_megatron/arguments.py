@@ -2,16 +2,14 @@
 ``--non-persistent-ckpt-type in_memory`` and ``--non-persistent-save-interval``.
 
 ``add_ftmem_args`` has the signature of Megatron-LM's ``extra_args_provider``; the
-patch in ``patches/`` and :mod:`ftmem_megatron.pretrain_gpt` call it too. Call
+patch in ``patches/`` and the driver (``examples/megatron/pretrain_gpt.py``) call it too. Call
 ``validate_ftmem_args(args)`` once ``args.world_size`` is set.
 """
 from __future__ import annotations
 
 import argparse
 
-from ftmem import FtmemConfig
-from ftmem.config import DP_SHARD_CHOICES
-from ftmem.errors import ConfigError
+from ftmem import DP_SHARD_CHOICES, ConfigError, FtmemConfig
 
 # Megatron-LM's non-persistent checkpoint types; ftmem implements "in_memory".
 NON_PERSISTENT_TYPES = ("global", "local", "in_memory")
@@ -94,6 +92,7 @@ def validate_ftmem_args(args) -> FtmemConfig:
     for _, dest, key in FTMEM_FLAGS:
         if "." not in key and getattr(args, dest) is not None:
             section[key] = getattr(args, dest)
+    section["allow_disk_fallback"] = bool(getattr(args, "ftmem_allow_disk_fallback", False))
     config = FtmemConfig.from_dict(section)
     rpn = config.ranks_per_node
     if rpn is not None and world_size % rpn:

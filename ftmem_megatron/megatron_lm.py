@@ -11,7 +11,7 @@ The hooks, each a wrapper of a module global that Megatron-LM looks up at call t
   :func:`~ftmem_megatron.arguments.validate_ftmem_args`.
 * ``checkpointing.save_checkpoint`` hands non-persistent saves to ftmem, and persistent
   ones too where ftmem writes them from memory (``--ckpt-format torch`` without the
-  distributed optimizer, see :mod:`ftmem_megatron.persist`); ``checkpointing.load_checkpoint``
+  distributed optimizer, see :mod:`ftmem_megatron.format`); ``checkpointing.load_checkpoint``
   asks ftmem first. When memory has nothing newer than the disk, Megatron loads from
   ``--load`` as usual, with no non-persistent checkpoint of its own to look for, and
   ftmem logs why memory could not serve.
@@ -33,7 +33,7 @@ from megatron.training.global_vars import get_args
 
 from . import checkpointing as ftmem_checkpointing
 from .arguments import IN_MEMORY, add_ftmem_args, in_memory, validate_ftmem_args
-from .persist import flushes_from_memory
+from .format import flushes_from_memory
 
 # Set on args while Megatron-LM's own validate_args runs with the type hidden.
 _HIDDEN = "_ftmem_hidden_ckpt_type"

@@ -26,7 +26,7 @@ from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
 from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedObject, ShardedTensor,
                                                       ShardedTensorFactory, apply_factories, apply_factory_merges)
 
-from ftmem.errors import LayoutMismatch
+from ftmem import LayoutMismatch
 
 
 @dataclass(frozen=True)

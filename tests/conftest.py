@@ -1,5 +1,7 @@
 import glob
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,3 +73,35 @@ def flip_byte(path: str, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+class LogLines(logging.Handler):
+    """What the ``ftmem`` logger said during a test, whatever handlers the application set."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.fixture
+def ftmem_log():
+    logger = logging.getLogger("ftmem")
+    capture = LogLines()
+    logger.addHandler(capture)
+    yield capture
+    logger.removeHandler(capture)
+
+
+ANY = "\x00"  # in a contract line given to logged(): any text
+
+
+def logged(line: str, text: str) -> bool:
+    """Whether ``text`` (a rank's log) holds ``line``, a contract line as ftmem.logs formats it
+    (``restored_from_memory(...)``, ``restored_from_disk(...)``), where ANY stands for any text."""
+    return re.search(".*?".join(map(re.escape, line.split(ANY))) + "$", text, re.MULTILINE) is not None

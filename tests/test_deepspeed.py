@@ -1,6 +1,7 @@
 """The real DeepSpeed (CPU, gloo) checkpointing through ftmem: ranks SIGKILLed, a
 whole virtual node lost, the job resumed with load_checkpoint, bitwise equal to an
-uninterrupted run (per-step losses and final weights)."""
+uninterrupted run without ftmem (DeepSpeed's default checkpoint engine saving every
+step; per-step losses and final weights)."""
 import importlib.util
 import json
 import os
@@ -11,29 +12,37 @@ import textwrap
 import pytest
 import torch
 
-from conftest import free_shm_dir, job_id, new_shm_dir, run_cli
+from conftest import ANY, job_id, logged, run_cli
 from examples.launch import LocalJob, free_port, wait_until
-from ftmem import jobs
+from ftmem import jobs, restored_from_disk, restored_from_memory
 from ftmem_deepspeed.checkpoint_engine import is_stub
 from trainjob import assert_same_training
 
 ITERS, STOP, TIMEOUT = 6, 3, 300
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 ENV = {"DS_ACCELERATOR": "cpu"}
+# A run without ftmem: DeepSpeed's default engine, and not even ftmem_guard's torch hook loaded.
+STOCK_ENV = {**ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 
 class DSJob:
-    def __init__(self, config, world, shm_dir, root, ftmem=None):
+    """One job identity of the trainer: with ftmem (``ftmem`` merged into the config's
+    section), or ``stock``: the same training with DeepSpeed's default checkpoint engine
+    saving every step (``--checkpoint-engine default``: no "ftmem" section, no ftmem module)."""
+
+    def __init__(self, config, world, shm_dir, root, ftmem=None, stock=False):
         self.world, self.shm_dir, self.job = world, shm_dir, job_id()
         self.out, self.save_dir = os.path.join(root, "out"), os.path.join(root, "ckpt")
         os.makedirs(self.out, exist_ok=True)
-        overrides = {"shm_dir": shm_dir, **(ftmem or {})}
+        self.env = STOCK_ENV if stock else ENV
+        engine = (["--checkpoint-engine", "default"] if stock
+                  else ["--ftmem", json.dumps({"shm_dir": shm_dir, **(ftmem or {})})])
         self.args = ["--deepspeed-config", os.path.join(CONFIGS, config), "--save-dir", self.save_dir,
-                     "--iters", str(ITERS), "--out", self.out, "--ftmem", json.dumps(overrides)]
+                     "--iters", str(ITERS), "--out", self.out, *engine]
 
     def start(self, *extra, rank_env=None) -> LocalJob:
         return LocalJob("examples.deepspeed.train_gpt", self.args + list(extra), self.world, self.job, self.out,
-                        env=ENV, rank_env=rank_env)
+                        env=self.env, rank_env=rank_env)
 
     def run(self, *extra) -> list[int]:
         return self.start(*extra).wait(TIMEOUT)
@@ -42,14 +51,16 @@ class DSJob:
         return LocalJob.read_log(self.out, rank)
 
 
-def reference(config, world, root, ftmem=None):
-    shm_dir = new_shm_dir()
-    try:
-        job = DSJob(config, world, shm_dir, root, ftmem=ftmem)
-        assert job.run() == [0] * world, job.log(0)[-5000:]
-        assert jobs.list_jobs(shm_dir) == []  # a clean end frees the job's memory
-    finally:
-        free_shm_dir(shm_dir)
+def reference(config, world, root):
+    """An uninterrupted run without ftmem (DeepSpeed's default engine saving every
+    step); the folder of its per-step losses and final weights."""
+    job = DSJob(config, world, None, root, stock=True)
+    assert job.run() == [0] * world, job.log(0)[-5000:]
+    for rank in range(world):
+        assert "checkpoint engine TorchCheckpointEngine" in job.log(rank), job.log(rank)[-3000:]
+        assert f"rank {rank}: ftmem modules loaded: none" in job.log(rank), job.log(rank)[-3000:]
+    with open(os.path.join(job.save_dir, "latest")) as f:
+        assert f.read() == f"global_step{ITERS}"  # the default engine saved every step
     return job.out
 
 
@@ -65,7 +76,7 @@ def reference(config, world, root, ftmem=None):
     ("model-parallel.json", 2, 1, None),  # a model axis of 2 in DeepSpeed's mpu grid, mirrored
 ])
 def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, shm_dir, tmp_path):
-    ref = reference(config, world, str(tmp_path / "reference"), ftmem=ftmem)
+    ref = reference(config, world, str(tmp_path / "reference"))
     job = DSJob(config, world, shm_dir, str(tmp_path / "run"), ftmem=ftmem)
     with job.start("--stop-after", str(STOP)) as run:
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
@@ -77,9 +88,8 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, 
         assert "optimizer BF16_Optimizer" in job.log(0)
     lost_ranks = {r for r in range(world) if r // (ftmem or {}).get("ranks_per_node", 1) == lost_node}
     for rank in range(world):
-        rebuilt = ", rebuilt from parity" if rank in lost_ranks else ""
-        assert f"ftmem: restored iteration {STOP + 1} from memory (rank {rank}, tag global_step{STOP + 1}{rebuilt})" \
-            in job.log(rank)
+        assert logged(restored_from_memory(STOP + 1, rank, f"tag global_step{STOP + 1}", rebuilt=rank in lost_ranks),
+                      job.log(rank))
         assert f"rank {rank}: resuming at step {STOP + 1} (client_state)" in job.log(rank)
     assert_same_training(job.out, ref, world, ITERS)
     assert jobs.list_jobs(shm_dir) == []
@@ -122,6 +132,8 @@ def test_make_demo_succeeds(shm_dir):
     out = subprocess.run([sys.executable, "-m", "examples.deepspeed.demo", shm_dir], capture_output=True, text=True,
                          timeout=900, env=dict(os.environ, **ENV))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "reference run without failures and without ftmem (DeepSpeed's default checkpoint engine, " \
+           "TorchCheckpointEngine on every rank): done" in out.stdout
     assert "rebuilt from parity); losses of all 12 steps and final weights bitwise equal to the reference: True" \
         in out.stdout
     assert out.stdout.rstrip().endswith("SUCCESS")
@@ -130,7 +142,7 @@ def test_make_demo_succeeds(shm_dir):
 def test_runs_under_the_deepspeed_launcher(shm_dir, tmp_path):
     """No special launcher: under `deepspeed` the ranks start their SMPs themselves."""
     mirror = {"ec": {"k": 1, "m": 1}}
-    ref = reference("zero1.json", 2, str(tmp_path / "reference"), ftmem=mirror)
+    ref = reference("zero1.json", 2, str(tmp_path / "reference"))
     job = DSJob("zero1.json", 2, shm_dir, str(tmp_path / "run"), ftmem=mirror)
     env = dict(os.environ, FTMEM_JOB_ID=job.job, OMP_NUM_THREADS="1", **ENV)
     out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
@@ -183,8 +195,7 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, shm
     jobs.lose_node(shm_dir, job.job, 1)
     assert job.run("--load") == [0] * 3, job.log(0)[-5000:]
     for rank in range(3):
-        assert f"ftmem: restored iteration 3 from disk {persist}/global_step3 (rank {rank}; memory could not serve" \
-            in job.log(rank)
+        assert logged(restored_from_disk(3, f"{persist}/global_step3", rank, ANY), job.log(rank))
         assert f"rank {rank}: resuming at step 3 (client_state)" in job.log(rank)
     assert "EC group of nodes [0, 1, 2] (k=2, m=1) lacks node(s) [0, 1]" in job.log(0)  # the reason
     assert_same_training(job.out, ref, 3, ITERS)
@@ -226,7 +237,7 @@ def test_a_flush_killed_midway_leaves_the_previous_checkpoint_the_newest(shm_dir
     for lost in (0, 1):  # more than m=1: memory cannot serve
         jobs.lose_node(shm_dir, job.job, lost)
     assert job.run("--load") == [0] * 3, job.log(0)[-5000:]
-    assert f"ftmem: restored iteration 2 from disk {persist}/global_step2" in job.log(0)
+    assert logged(restored_from_disk(2, f"{persist}/global_step2", 0, ANY), job.log(0))
     assert_same_training(job.out, ref, 3, ITERS)
     assert jobs.list_jobs(shm_dir) == []
 

@@ -2,7 +2,6 @@
 import collections
 import dataclasses
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -15,10 +14,10 @@ import pytest
 import torch
 
 from conftest import flip_byte, job_id, run_cli
-from ftmem import (ConfigError, CorruptShard, LayoutMismatch, NoRecoverableVersion, ParallelLayout, ShmBudgetError,
-                   SnapshotEngine)
+from ftmem import (ConfigError, CorruptShard, FrameworkFormat, LayoutMismatch, NoRecoverableVersion, ParallelLayout,
+                   ShmBudgetError, SnapshotEngine, UnsupportedTensor, flushed, integrity)
+from ftmem.persist import Flusher
 from ftmem.procs import pid_alive
-from ftmem.serialize import UnsupportedTensor
 from ftmem.smp_client import running_smp
 
 
@@ -95,13 +94,13 @@ def test_double_buffering_keeps_two_versions_and_reuses_the_buffers(shm_dir):
     engine.save(state, 2).wait_committed()
     slots = [engine.store.slot_path(s) for s in (0, 1)]
     first = [(os.stat(p).st_ino, os.stat(p).st_size) for p in slots]
-    mapped = [engine._maps[("slot", s)][0] for s in (0, 1)]
+    mapped = [engine.memory._maps[("slot", s)][0] for s in (0, 1)]
     for version in range(3, 7):
         state["fp32"].add_(1)
         engine.save(state, version).wait_committed()
     assert engine.versions() == [5, 6]
     assert [(os.stat(p).st_ino, os.stat(p).st_size) for p in slots] == first  # no new allocation
-    assert [engine._maps[("slot", s)][0] for s in (0, 1)] == mapped  # the same mappings, reused
+    assert [engine.memory._maps[("slot", s)][0] for s in (0, 1)] == mapped  # the same mappings, reused
     assert torch.equal(engine.restore().state["fp32"], state["fp32"])
     engine.close(job_finished=True)
 
@@ -152,17 +151,16 @@ def test_saving_an_older_version_drops_the_abandoned_newer_ones(shm_dir):
 
 
 
-def test_a_flipped_byte_is_detected_and_never_returned(shm_dir, caplog):
+def test_a_flipped_byte_is_detected_and_never_returned(shm_dir, ftmem_log):
     engine = make_engine(shm_dir)
     engine.save({"w": torch.zeros(4096)}, 1).wait_committed()
     engine.save({"w": torch.ones(4096)}, 2).wait_committed()
     engine.wait_sealed()
     slot_of_2 = engine.store.committed()[2]
     flip_byte(engine.store.slot_path(slot_of_2), 1000)
-    with caplog.at_level(logging.WARNING, logger="ftmem"):
-        restored = engine.restore()
+    restored = engine.restore()
     assert restored.version == 1 and torch.equal(restored.state["w"], torch.zeros(4096))
-    assert "version 2" in caplog.text and "does not match its checksum" in caplog.text
+    assert "version 2" in ftmem_log.text() and "does not match its checksum" in ftmem_log.text()
     assert engine.versions() == [1]  # the corrupted version is dropped as lost
     engine.close(job_finished=True)
 
@@ -185,7 +183,7 @@ def test_verify_raises_on_a_mismatch(shm_dir):
     engine.wait_sealed()
     flip_byte(engine.store.slot_path(engine.store.committed()[7]), 3)
     with pytest.raises(CorruptShard, match="does not match its checksum"):
-        engine.store.verify(7)
+        integrity.verify(engine.store, 7)
     engine.close(job_finished=True)
 
 
@@ -336,17 +334,19 @@ def test_a_tensor_and_its_detached_alias_are_stored_once():
     assert torch.equal(back["row"], weight[1].detach()) and back["empty"][0] is not back["empty"][1]
 
 
-class GatedLayout:
-    """A checkpoint layout (one file per version) whose writes wait for the test to open
+class GatedFormat(FrameworkFormat):
+    """A checkpoint format (one file per version) whose writes wait for the test to open
     a gate: a disk slower than the saves."""
+
+    name = "gated-test-format"
 
     def __init__(self):
         self.gate = threading.Event()
 
-    def name(self, version, state):
+    def checkpoint_name(self, version, state):
         return f"v{version}"
 
-    def write(self, state, directory, wrote):
+    def write_rank(self, state, directory, rank, first_replica, wrote):
         assert self.gate.wait(60)
         torch.save(state["w"], os.path.join(directory, "w.pt"))
         wrote(os.path.getsize(os.path.join(directory, "w.pt")))
@@ -356,12 +356,10 @@ class GatedLayout:
             f.write(name)
 
 
-def test_flushes_are_skipped_not_queued_while_the_disk_is_slower_than_the_saves(shm_dir, tmp_path, capsys):
-    from ftmem.persist import flushed
-
+def test_flushes_are_skipped_not_queued_while_the_disk_is_slower_than_the_saves(shm_dir, tmp_path, ftmem_log):
     engine = make_engine(shm_dir)
-    layout = GatedLayout()
-    engine.persist_with(layout, str(tmp_path), interval=1)
+    layout = GatedFormat()
+    engine.persist_with(Flusher(str(tmp_path), 1, None, layout, rank=0, first_replica=True, world_size=1))
     state = {"w": torch.zeros(1000)}
     written = {}
     for version in range(1, 6):  # version 1's flush holds the gate; 5 committed means 4 was handed over
@@ -370,9 +368,9 @@ def test_flushes_are_skipped_not_queued_while_the_disk_is_slower_than_the_saves(
         engine.save(state, version).wait_committed()
     layout.gate.set()
     engine.wait_flushed()
-    out = capsys.readouterr().out
+    out = ftmem_log.text()
     for skipped in (2, 3, 4):
-        assert (f"ftmem: version {skipped} not flushed: the previous flush is still running (the disk is slower "
+        assert (f"version {skipped} not flushed: the previous flush is still running (the disk is slower "
                 f"than persist.interval saves)") in out
     done = flushed(str(tmp_path))
     assert done[0] == {"name": "v1", "version": 1} and {c["version"] for c in done} <= {1, 5}
@@ -395,6 +393,6 @@ def test_export_names_what_it_cannot_do(shm_dir, tmp_path):
     assert refused.returncode == 2 and "does not hold version 7 on every rank (rank 0: [1])" in refused.stderr
     assert "versions held by all: [1]" in refused.stderr
     refused = run_cli("export", "--job", job, "--shm-dir", shm_dir, "--out", str(out))
-    assert refused.returncode == 2 and "name no checkpoint layout to export to" in refused.stderr
+    assert refused.returncode == 2 and "name no framework format to export to" in refused.stderr
     assert not out.exists()
     engine.close(job_finished=True)

@@ -1,17 +1,18 @@
 """Megatron in-memory checkpoints (--non-persistent-ckpt-type in_memory) on the real
 megatron-core (CPU, gloo): ranks SIGKILLed, a whole virtual node lost, the job
 restarted with the same command, restored from memory (rebuilt from parity where the
-node was lost), and bitwise equal to an uninterrupted run — per-iteration losses and
-every rank's final parameters and optimizer state."""
+node was lost), and bitwise equal to an uninterrupted run without ftmem (no
+in_memory, no --ftmem-* flag: Megatron's own --ckpt-format torch saves only) —
+per-iteration losses and every rank's final parameters and optimizer state."""
 import json
 import os
 import re
 
 import pytest
 
-from conftest import free_shm_dir, job_id, new_shm_dir, run_cli
+from conftest import ANY, job_id, logged, run_cli
 from examples.launch import LocalJob
-from ftmem import jobs
+from ftmem import jobs, restored_from_disk, restored_from_memory
 from test_megatron_driver import TINY_GPT
 
 ITERS, STOP, TIMEOUT = 6, 3, 240
@@ -19,15 +20,18 @@ ITERS, STOP, TIMEOUT = 6, 3, 240
 
 class MegatronJob:
     """One job identity of the driver with in-memory checkpoints after every iteration
-    and persistent ones only at the end."""
+    and persistent ones only at the end; or ``stock``: the same training without ftmem
+    (no --non-persistent-ckpt-type in_memory, no --ftmem-* flag), Megatron's persistent
+    --ckpt-format torch saves alone."""
 
-    def __init__(self, world, parallel, ftmem, shm_dir, root):
+    def __init__(self, world, parallel, ftmem, shm_dir, root, stock=False):
         self.world, self.shm_dir, self.job, self.root = world, shm_dir, job_id(), root
         self.logs = os.path.join(root, "logs")
         self.args = TINY_GPT + parallel + [
-            "--save", os.path.join(root, "ckpt"), "--load", os.path.join(root, "ckpt"), "--save-interval", "1000",
-            "--non-persistent-ckpt-type", "in_memory", "--non-persistent-save-interval", "1",
-            "--ftmem-shm-dir", shm_dir, *ftmem]
+            "--save", os.path.join(root, "ckpt"), "--load", os.path.join(root, "ckpt"), "--save-interval", "1000"]
+        if not stock:
+            self.args += ["--non-persistent-ckpt-type", "in_memory", "--non-persistent-save-interval", "1",
+                          "--ftmem-shm-dir", shm_dir, *ftmem]
 
     def start(self, *extra) -> LocalJob:
         return LocalJob("examples.megatron.pretrain_gpt", self.args + list(extra), self.world, self.job, self.logs)
@@ -45,13 +49,17 @@ def read_out(path: str) -> dict:
         return json.load(f)
 
 
-def reference(world, parallel, ftmem, root) -> dict:
-    shm_dir = new_shm_dir()
-    try:
-        MegatronJob(world, parallel, ftmem, shm_dir, root).run(os.path.join(root, "out.json"))
-        assert jobs.list_jobs(shm_dir) == []  # a clean end frees the job's memory
-    finally:
-        free_shm_dir(shm_dir)
+def reference(world, parallel, root, save_interval=None) -> dict:
+    """An uninterrupted run without ftmem (Megatron's torch-format saves alone, every
+    ``save_interval`` iterations and at the end); its losses and final digests."""
+    job = MegatronJob(world, parallel, [], None, root, stock=True)
+    if save_interval:
+        job.args[job.args.index("--save-interval") + 1] = str(save_interval)
+    job.run(os.path.join(root, "out.json"))
+    for rank in range(world):
+        assert "ftmem" not in job.log(rank), job.log(rank)[-3000:]
+    with open(os.path.join(root, "ckpt", "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == str(ITERS)  # Megatron's own save of the final state
     return read_out(os.path.join(root, "out.json"))
 
 
@@ -70,7 +78,7 @@ def reference(world, parallel, ftmem, root) -> dict:
                                           "--ftmem-dp-shard", "on"], 1, 2),
 ], ids=["tp2", "pp2-dp2", "tp2-dp2-dp-shard", "dp2-distributed-optimizer"])
 def test_resume_after_losing_a_node_is_bitwise(world, parallel, ftmem, lost_node, replicas, shm_dir, tmp_path):
-    ref = reference(world, parallel, ftmem, str(tmp_path / "reference"))
+    ref = reference(world, parallel, str(tmp_path / "reference"))
     job = MegatronJob(world, parallel, ftmem, shm_dir, str(tmp_path / "run"))
     with job.start("--stop-after", str(STOP)) as run:
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"iteration {STOP}")
@@ -89,8 +97,7 @@ def test_resume_after_losing_a_node_is_bitwise(world, parallel, ftmem, lost_node
     jobs.lose_node(shm_dir, job.job, lost_node)
     job.run(str(tmp_path / "resumed.json"))
     for rank in range(world):
-        rebuilt = ", rebuilt from parity" if rank == lost_node else ""
-        assert f"ftmem: restored iteration {STOP} from memory (rank {rank}{rebuilt})" in job.log(rank)
+        assert logged(restored_from_memory(STOP, rank, rebuilt=rank == lost_node), job.log(rank))
     resumed = read_out(str(tmp_path / "resumed.json"))
     assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(STOP + 1, ITERS + 1)}
     assert resumed["digests"] == ref["digests"]
@@ -117,12 +124,14 @@ def test_restore_under_another_layout_is_refused_unless_disk_fallback_is_allowed
     back.args[back.args.index("--load") + 1] = os.path.join(str(tmp_path / "dp2"), "ckpt")
     codes = back.start().wait(TIMEOUT)
     assert codes == [1, 1]
-    assert ("LayoutMismatch: ftmem: version 3 was saved under another parallel layout" in back.log(0)
-            and "tp_size 2 -> 1" in back.log(0) and "or pass --ftmem-allow-disk-fallback to load the persistent checkpoint from --load" in back.log(0))
+    assert ("LayoutMismatch: version 3 was saved under another parallel layout" in back.log(0)
+            and "tp_size 2 -> 1" in back.log(0) and "To load the disk checkpoint instead (iteration 2), set "
+            "\"allow_disk_fallback\": true in the \"ftmem\" config (Megatron: --ftmem-allow-disk-fallback)"
+            in back.log(0))
     assert jobs.status(shm_dir, tp2.job)["jobs"][0]["nodes"][0]["versions"] == [2, 3]  # nothing lost
 
     back.run(str(tmp_path / "back.json"), "--ftmem-allow-disk-fallback")
-    assert "tp_size 2 -> 1" in back.log(0) and "as --ftmem-allow-disk-fallback allows" in back.log(0)
+    assert "tp_size 2 -> 1" in back.log(0) and "loading from disk as allow_disk_fallback allows" in back.log(0)
     assert "successfully loaded checkpoint" in back.log(0) and "at iteration 2" in back.log(0)
     assert sorted(read_out(str(tmp_path / "back.json"))["losses"], key=int) == ["3", "4", "5", "6"]
     assert jobs.list_jobs(shm_dir) == []
@@ -158,20 +167,14 @@ def test_losing_more_than_m_nodes_resumes_from_the_checkpoint_written_from_memor
         job.args[job.args.index("--save-interval") + 1] = "3"
         return job
 
-    ref_shm = new_shm_dir()
-    try:
-        every_third(MegatronJob(world, parallel, ftmem, ref_shm, str(tmp_path / "reference"))).run(
-            str(tmp_path / "reference.json"))
-    finally:
-        free_shm_dir(ref_shm)
-    ref = read_out(str(tmp_path / "reference.json"))
+    ref = reference(world, parallel, str(tmp_path / "reference"), save_interval=3)
 
     job = every_third(MegatronJob(world, parallel, ftmem, shm_dir, str(tmp_path / "run")))
     ckpt = os.path.join(job.root, "ckpt")
     with job.start("--stop-after", "5") as run:
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, "iteration 5")
         run.kill_all()
-    assert f"ftmem: rank 0 flushed version 3 to {ckpt}/iter_0000003" in job.log(0)
+    assert f"ftmem: rank 0: flushed version 3 to {ckpt}/iter_0000003" in job.log(0)
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == "3"
     assert sorted(os.listdir(os.path.join(ckpt, "iter_0000003"))) == ["mp_rank_00", "mp_rank_01"]
@@ -197,8 +200,7 @@ def test_losing_more_than_m_nodes_resumes_from_the_checkpoint_written_from_memor
     assert out.returncode == 2 and "ranks [1, 2] have no node directory here" in out.stderr
     job.run(str(tmp_path / "resumed.json"))
     for rank in range(world):
-        assert (f"ftmem: restored iteration 3 from disk {ckpt} (rank {rank}; memory could not serve: no version is "
-                f"recoverable from memory") in job.log(rank)
+        assert logged(restored_from_disk(3, ckpt, rank, "no version is recoverable from memory" + ANY), job.log(rank))
     assert "Newest held: version 5: " in job.log(0)
     resumed = read_out(str(tmp_path / "resumed.json"))
     assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(4, ITERS + 1)}

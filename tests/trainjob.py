@@ -4,10 +4,10 @@ import os
 
 import torch
 
-from conftest import free_shm_dir, job_id, new_shm_dir
+from conftest import job_id, logged
 from examples.engine.demo import read_losses
 from examples.launch import LocalJob
-from ftmem import jobs
+from ftmem import jobs, restored_from_memory
 
 ITERS, TIMEOUT = 10, 240
 
@@ -58,8 +58,7 @@ class TrainJob:
         logs = [self.log(r) for r in range(self.world)]
         assert codes == [0] * self.world, logs
         for rank in range(self.world):
-            how = ", rebuilt from parity" if rank in rebuilt_ranks else ""
-            assert f"ftmem: restored iteration {expect_version} from memory (rank {rank}{how})\n" in logs[rank]
+            assert logged(restored_from_memory(expect_version, rank, rebuilt=rank in rebuilt_ranks), logs[rank])
         assert_same_training(self.out, reference, self.world)
         left = jobs.status(self.shm_dir)["jobs"]
         assert left == [], left  # a clean finish frees the job's memory
@@ -76,12 +75,13 @@ def assert_same_training(out, reference, world, iters=ITERS):
 
 
 def reference_run(out, world) -> str:
-    """An uninterrupted run of ``world`` ranks: per-step losses and final weights."""
-    shm_dir = new_shm_dir()
-    try:
-        job = TrainJob(shm_dir, out, world)
-        codes = job.run()
-        assert codes == [0] * world, job.log(0)
-    finally:
-        free_shm_dir(shm_dir)
-    return str(out)
+    """An uninterrupted run of ``world`` ranks without ftmem (``--no-snapshots``: no
+    SnapshotEngine, nothing saved): per-step losses and final weights."""
+    out = str(out)
+    job = LocalJob("examples.engine.toy_train", ["--iters", str(ITERS), "--out", out, "--no-snapshots"], world,
+                   job_id(), out)
+    codes = job.wait(TIMEOUT)
+    logs = [job.log(r) for r in range(world)]
+    assert codes == [0] * world, logs
+    assert not any("ftmem" in log for log in logs), logs
+    return out

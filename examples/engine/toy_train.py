@@ -11,30 +11,32 @@ optimizer step waits for it.
 Run one rank per process with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set::
 
     python -m examples.engine.toy_train --iters 12 --out DIR [--stop-after N] [--ranks-per-node R] [--ec-k K --ec-m M]
+    python -m examples.engine.toy_train --iters 12 --out DIR --no-snapshots
 
 Writes ``DIR/rank<r>.losses.jsonl`` (one {"it", "loss"} per step) and, at the end,
 ``DIR/rank<r>.final.pt``. ``--stop-after N`` makes the rank wait, after version N is
 committed and protected, until it is killed (a crash test's "between saves"). If
 versions are held but none is recoverable, it says so and exits with status 3
-(where a real trainer falls back to its disk checkpoint).
+(where a real trainer falls back to its disk checkpoint). ``--no-snapshots`` trains the
+same steps without ftmem: no SnapshotEngine, nothing saved or restored (the tests'
+uninterrupted reference runs, which show that the snapshots change nothing in training).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import random
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ftmem.engine import SnapshotEngine
-from ftmem.errors import NotRecoverableFromMemory
+from ftmem import NotRecoverableFromMemory, SnapshotEngine, restored_from_memory, rng_states, set_rng_states
 
 IN, HIDDEN, OUT = 32, 64, 8
+# Flags that configure the snapshots, refused with --no-snapshots (which takes none).
+SNAPSHOT_FLAGS = ("stop_after", "ranks_per_node", "shm_dir", "ec_k", "ec_m", "dp_shard")
 
 
 def build_model() -> torch.nn.Module:
@@ -49,16 +51,6 @@ def batch(iteration: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, IN, generator=g), torch.randn(16, OUT, generator=g)
 
 
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m examples.engine.toy_train")
     parser.add_argument("--iters", type=int, default=12)
@@ -69,12 +61,20 @@ def main(argv=None) -> None:
     parser.add_argument("--ec-k", type=int, default=None)
     parser.add_argument("--ec-m", type=int, default=None)
     parser.add_argument("--dp-shard", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--no-snapshots", action="store_true",
+                        help="train without ftmem: no SnapshotEngine, nothing saved or restored (a reference run)")
     args = parser.parse_args(argv)
+    if args.no_snapshots:
+        snapshot_only = [f"--{dest.replace('_', '-')}" for dest in SNAPSHOT_FLAGS
+                         if getattr(args, dest) != parser.get_default(dest)]
+        if snapshot_only:
+            parser.error(f"{', '.join(snapshot_only)}: only for snapshots, which --no-snapshots switches off")
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = SnapshotEngine({"ranks_per_node": args.ranks_per_node, "shm_dir": args.shm_dir,
-                             "ec": {"k": args.ec_k, "m": args.ec_m}, "dp_shard": args.dp_shard})
+    engine = None if args.no_snapshots else SnapshotEngine(
+        {"ranks_per_node": args.ranks_per_node, "shm_dir": args.shm_dir, "ec": {"k": args.ec_k, "m": args.ec_m},
+         "dp_shard": args.dp_shard})
 
     torch.manual_seed(99 + rank)  # per-rank dropout masks
     model = build_model()
@@ -83,11 +83,11 @@ def main(argv=None) -> None:
 
     def state(iteration: int) -> dict:
         return {"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict(),
-                "rng": rng_state(), "iteration": iteration}
+                "rng": rng_states(), "iteration": iteration}
 
     start = 0
     try:
-        restored = engine.restore()
+        restored = engine.restore() if engine is not None else None
     except NotRecoverableFromMemory as e:
         print(f"ftmem: {e}", flush=True)
         sys.exit(3)
@@ -95,10 +95,9 @@ def main(argv=None) -> None:
         model.load_state_dict(restored.state["model"])
         optim.load_state_dict(restored.state["optim"])
         sched.load_state_dict(restored.state["sched"])
-        set_rng_state(restored.state["rng"])
+        set_rng_states(restored.state["rng"])
         start = restored.state["iteration"] + 1
-        how = ", rebuilt from parity" if restored.rebuilt else ""
-        print(f"ftmem: restored iteration {restored.state['iteration']} from memory (rank {rank}{how})", flush=True)
+        print(restored_from_memory(restored.state["iteration"], rank, rebuilt=restored.rebuilt), flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     losses = open(os.path.join(args.out, f"rank{rank}.losses.jsonl"), "a")
@@ -117,6 +116,8 @@ def main(argv=None) -> None:
         optim.zero_grad()
         losses.write(json.dumps({"it": it, "loss": loss.item()}) + "\n")
         losses.flush()
+        if engine is None:
+            continue
         snapshot = state(it)
         # Model and optimizer state are identical on every rank (averaged gradients);
         # the torch RNG state (per-rank dropout) is the only tensor unique to a rank.
@@ -127,7 +128,8 @@ def main(argv=None) -> None:
             while True:
                 time.sleep(3600)
     torch.save(model.state_dict(), os.path.join(args.out, f"rank{rank}.final.pt"))
-    engine.close(job_finished=True)
+    if engine is not None:
+        engine.close(job_finished=True)
     dist.destroy_process_group()
 
 

@@ -12,7 +12,7 @@ It runs on GPUs (NCCL) and on CPUs (gloo), where it enables :mod:`ftmem_megatron
 The data is synthetic and a pure function of (seed, global sample index), so a
 resumed run sees exactly the batches an uninterrupted one does; training is
 deterministic, and resuming from a ``--ckpt-format torch`` checkpoint
-(:mod:`ftmem_megatron.torch_checkpoint`) continues bitwise like an uninterrupted run.
+(``examples/megatron/torch_checkpoint.py``) continues bitwise like an uninterrupted run.
 
 In-memory checkpoints: ``--non-persistent-ckpt-type in_memory
 --non-persistent-save-interval N`` with the ``--ftmem-*`` flags, dispatched as
@@ -354,10 +354,10 @@ def train(args, model, optimizer, opt_param_scheduler, iteration, flops_so_far) 
 
 def save_persistent(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args) -> None:
     """Megatron's persistent save: from memory in the background where ftmem writes it
-    (see :mod:`ftmem_megatron.persist`), else synchronously to ``--save``."""
+    (see :mod:`ftmem_megatron.format`), else synchronously to ``--save``."""
     from ftmem_megatron import checkpointing
-    from ftmem_megatron.persist import flushes_from_memory
-    from ftmem_megatron.torch_checkpoint import save_checkpoint
+    from ftmem_megatron.format import flushes_from_memory
+    from examples.megatron.torch_checkpoint import save_checkpoint
 
     if flushes_from_memory(args):
         checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops_so_far, args,
@@ -420,7 +420,7 @@ def main(argv=None) -> None:
     from megatron.core import parallel_state
 
     from ftmem_megatron import checkpointing
-    from ftmem_megatron.torch_checkpoint import load_checkpoint
+    from examples.megatron.torch_checkpoint import load_checkpoint
 
     args = parse_args(argv)
     initialize(args)

@@ -1,4 +1,6 @@
-"""Megatron's persistent checkpoints (``--save``, ``--save-interval``) written from memory.
+"""Megatron-LM's ``--ckpt-format torch`` layout on disk, for the persistent tier
+(``--save``, ``--save-interval`` written from memory) and ``ftmem export``, and
+Megatron's RNG (the model-parallel tracker beside the process-wide generators).
 
 With ``--non-persistent-ckpt-type in_memory`` and ``--ckpt-format torch``, a persistent
 save becomes an in-memory snapshot that the persistent tier (:mod:`ftmem.persist`)
@@ -18,8 +20,7 @@ DP; a snapshot holds each rank's own shard only, so with ``--use-distributed-opt
 (and with any other ``--ckpt-format``) Megatron writes its persistent checkpoints
 itself, as without ftmem.
 
-``ftmem export`` writes the same layout from shared memory (:func:`export_dp_group`);
-a snapshot names this module for it.
+``ftmem export`` writes the same layout from shared memory (:meth:`MegatronFormat.write_group`).
 """
 from __future__ import annotations
 
@@ -28,12 +29,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ftmem.errors import FtmemError
-from ftmem.persist import save_atomically
+from ftmem import FrameworkFormat, FtmemError, save_atomically
 
 from .arguments import in_memory
-from .torch_checkpoint import (MODEL_FILENAME, checkpoint_content, iteration_dir, model_state, rank_dir_name,
-                               rng_state, write_tracker)
+from .torch_checkpoint import (MODEL_FILENAME, checkpoint_content, iteration_dir, model_state, own_rng_state,
+                               rank_dir_name, rng_state, set_rng_state, write_tracker)
 
 
 def flushes_from_memory(args) -> bool:
@@ -73,48 +73,41 @@ def write_model_optim_rng(state: Any, directory: str, wrote: Callable[[int], Non
     wrote(os.path.getsize(path))
 
 
-class MegatronFlushTarget:
-    """Megatron-LM's ``--ckpt-format torch`` layout for :class:`ftmem.persist.Flusher`."""
+class MegatronFormat(FrameworkFormat):
+    """Megatron-LM's ``--ckpt-format torch`` layout: DP rank 0 of each (TP, PP) position
+    writes its ``model_optim_rng.pt``; the other replicas only agree."""
 
-    def __init__(self, first_replica: bool):
-        self.first_replica = first_replica  # DP rank 0 of its (TP, PP) position writes; the others agree
+    name = "megatron"
 
-    def name(self, version: int, state: Any) -> str:
-        return _name(state)
+    def capture_rng(self) -> dict:
+        return own_rng_state()
 
-    def write(self, state: Any, directory: str, wrote: Callable[[int], None]) -> None:
-        if self.first_replica:
+    def restore_rng(self, states: dict) -> None:
+        set_rng_state(states)
+
+    def checkpoint_name(self, version: int, state: Any) -> str:
+        return os.path.basename(iteration_dir("", state["iteration"]))
+
+    def write_rank(self, state: Any, directory: str, rank: int, first_replica: bool, wrote) -> None:
+        if first_replica:
             write_model_optim_rng(state, directory, wrote)
 
+    def write_group(self, group: Sequence[int], read_state: Callable[[int], Any], directory: str, wrote) -> str:
+        """DP rank 0's file, holding every DP rank's RNG states (which the others lend)."""
+        rng, writer = [], None
+        for index, rank in enumerate(group):
+            state = read_state(rank)
+            if state["torch_format"] is None:
+                raise FtmemError(
+                    f"version {state['iteration']} was saved with --use-distributed-optimizer, whose persistent "
+                    f"checkpoint (distrib_optim.pt) gathers the optimizer state over DP; ftmem cannot write it from "
+                    f"memory. Let the job save with Megatron's --save instead.")
+            rng.append(state["rng"])
+            writer = state if index == 0 else writer
+        writer["torch_format"]["rng_state"] = rng
+        write_model_optim_rng(writer, directory, wrote)
+        return self.checkpoint_name(writer["iteration"], writer)
+
     def publish(self, root: str, name: str) -> None:
-        publish(root, name)
-
-
-def publish(root: str, name: str) -> None:
-    """Point Megatron at ``<root>/<name>``: ``latest_checkpointed_iteration.txt``."""
-    write_tracker(root, int(name.removeprefix("iter_")))
-
-
-def export_dp_group(group: Sequence[int], read_state: Callable[[int], Any], directory: str,
-                    wrote: Callable[[int], None]) -> str:
-    """``ftmem export``: write the ``model_optim_rng.pt`` of one (TP, PP) position, whose
-    DP ranks are ``group`` (``read_state(rank)`` gives a rank's snapshot), into
-    ``directory``; returns the checkpoint's name (``iter_XXXXXXX``)."""
-    rng, writer = [], None
-    for index, rank in enumerate(group):
-        state = read_state(rank)
-        if state["torch_format"] is None:
-            raise FtmemError(
-                f"version {state['iteration']} was saved with --use-distributed-optimizer, whose persistent "
-                f"checkpoint (distrib_optim.pt) gathers the optimizer state over DP; ftmem cannot write it from "
-                f"memory. Let the job save with Megatron's --save instead.")
-        rng.append(state["rng"])
-        writer = state if index == 0 else writer  # DP rank 0 writes; the others lend their RNG states
-    writer["torch_format"]["rng_state"] = rng
-    write_model_optim_rng(writer, directory, wrote)
-    return _name(writer)
-
-
-def _name(state: Any) -> str:
-    """The checkpoint's directory name, ``iter_XXXXXXX``."""
-    return os.path.basename(iteration_dir("", state["iteration"]))
+        """Point Megatron at ``<root>/<name>``: ``latest_checkpointed_iteration.txt``."""
+        write_tracker(root, int(name.removeprefix("iter_")))

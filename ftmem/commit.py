@@ -1,0 +1,118 @@
+"""The commit protocol of one rank, run on its background thread while training goes on.
+
+For each save, in order (DESIGN.md §3):
+
+1. what the slot held becomes invisible (its marker goes first), then the bytes are
+   copied in;
+2. the commit marker is written (atomic rename): the rank's part of v exists;
+   the handle becomes *reusable*, and the SMP is told so that it seals v;
+3. with erasure coding, the column exchanges pieces and each member stores its parity
+   (:class:`ftmem.protect.ColumnCoder`);
+4. the job agrees that every rank committed (and protected) v; the handle becomes
+   *committed*, and the next save may overwrite the older slot;
+5. if the persistent tier is due, the flusher gets a private copy of v.
+
+A crash at any step leaves the other slot's version intact.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import testhooks
+from .copier import copy_into_slot
+from .errors import FtmemError
+from .handle import SaveHandle
+from .logs import job_info, rank_warning
+from .persist import Flusher
+from .protect import ColumnCoder
+from .slot_memory import SlotMemory
+from .slots import PARITY, CommitRecord, RankStore
+from .smp_client import SmpClient
+
+# Reads a whole version into private CPU memory (collective over the DP group).
+ReadVersion = Callable[[CommitRecord, torch.Tensor], Any]
+
+
+class Committer:
+    def __init__(self, store: RankStore, memory: SlotMemory, smp: SmpClient, column: Optional[ColumnCoder],
+                 gloo: Optional[dist.ProcessGroup], read_version: ReadVersion):
+        self.store, self.memory, self._smp = store, memory, smp
+        self._column, self._gloo, self._read_version = column, gloo, read_version
+        self.flusher: Optional[Flusher] = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftmem-copy")
+        self._last: Optional[Future] = None  # the last save's task (it never raises: errors go to its handle)
+        self._side_streams: dict = {}  # CUDA device -> the stream device-to-host copies run on
+
+    @property
+    def rank(self) -> int:
+        return self.store.rank
+
+    def start(self, handle: SaveHandle, record: CommitRecord, tensors: list, slot_bytes: torch.Tensor,
+              cuda_ready: dict, persist: bool) -> None:
+        self._last = self._thread.submit(self._run, handle, record, tensors, slot_bytes, cuda_ready, persist)
+
+    def drain(self) -> None:
+        """Until the last save's task has run to its end (flush hand-over included)."""
+        if self._last is not None:
+            self._last.result()
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
+
+    def _run(self, handle: SaveHandle, record: CommitRecord, tensors: list, slot_bytes: torch.Tensor,
+             cuda_ready: dict, persist: bool) -> None:
+        version = record.version
+        try:
+            self.store.drop_slot(record.slot)  # what the slot held becomes invisible first
+            copy_into_slot(slot_bytes, tensors, record.plan, cuda_ready, self._side_streams,
+                           halfway=lambda: testhooks.at("mid_copy", self.rank, version))
+            self.store.write_commit(record)
+            testhooks.at("after_commit", self.rank, version)
+            handle._set_reusable()
+            try:
+                self._smp.request("committed", self.rank, version)
+            except Exception as e:  # the SMP seals it on its next rescan (restart or sync)
+                rank_warning(self.rank, "could not notify its SMP of version %d: %s", version, e)
+            if self._column is not None:
+                self._protect(record, slot_bytes)
+            if self._gloo is not None:
+                self._agree(version)
+            handle._set_committed()
+            if self.flusher is not None and self.flusher.due(asked=persist):
+                self._hand_over_for_flush(record, slot_bytes)
+        except BaseException as e:
+            handle._fail(e)
+
+    def _protect(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
+        lengths, records, piece = self._column.exchange_info(record)
+        self.memory.reserve(record.plan.nbytes, self._column.parity_nbytes(piece))
+        parity = self.memory.bytes_of(record.slot, PARITY).numpy()
+        self.store.write_parity(self._column.protect(record, slot_bytes.numpy(), parity, lengths, records, piece))
+
+    def _agree(self, version: int) -> None:
+        """Job-wide: every rank committed (and protected) v. The next save waits for this
+        before overwriting the older slot, so a rank one save ahead of a peer that crashed
+        mid-copy still holds the version the peer has."""
+        lowest = torch.tensor([version], dtype=torch.int64)
+        dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self._gloo)
+        if int(lowest) != version:
+            raise FtmemError(f"ranks saved different versions at once (this rank {version}, another {int(lowest)}): "
+                             f"every rank must save the same version.")
+        if self._column is not None:
+            self.store.write_protected(version)
+
+    def _hand_over_for_flush(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
+        """A whole private copy of the version for the flusher, unless a flush is still
+        running on any rank (then this version is skipped: flushes never queue)."""
+        busy = torch.tensor([int(self.flusher.busy())], dtype=torch.int64)
+        if self._gloo is not None:
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._gloo)
+        if busy.item():
+            job_info("version %d not flushed: the previous flush is still running (the disk is slower than "
+                     "persist.interval saves)", record.version)
+            return
+        self.flusher.start(record.version, self._read_version(record, slot_bytes))

@@ -1,0 +1,191 @@
+"""What every framework adapter needs around the engine, written once.
+
+An adapter translates its framework's state and parallel layout; :class:`AdapterRuntime`
+does the rest, the same way for DeepSpeed and Megatron:
+
+* the engine, with the DP groups it makes (one gloo group per DP group, which the
+  adapters use too), and the persistent tier in the framework's format;
+* RNG capture with every save and restore with every resume (the format's generators);
+* the wait for the copy before the optimizer step (:meth:`wait_reusable`,
+  :meth:`make_step_wait`);
+* the restore policy, memory, then disk, then scratch (:meth:`restore`), where a
+  layout mismatch means the same thing in both frameworks: a refusal naming what
+  differs, unless ``allow_disk_fallback`` is set;
+* ``wait_protected`` / ``wait_flushed``, which mean the same thing everywhere;
+* closing the engine when the process exits.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import FtmemConfig
+from .engine import SnapshotEngine
+from .errors import LayoutMismatch, NotRecoverableFromMemory
+from .format import FrameworkFormat
+from .handle import SaveHandle
+from .logs import announce, job_info, rank_info, restored_from_disk, restored_from_memory
+from .parallel import ParallelLayout
+from .persist import Flusher
+from .restore import Restored, gather_objects
+
+MEMORY, DISK, SCRATCH = "memory", "disk", "scratch"
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """Where a restart resumes from, decided the same way on every rank."""
+
+    source: str  # MEMORY, DISK or SCRATCH
+    restored: Optional[Restored] = None  # the version, when the source is memory
+    reason: Optional[str] = None  # why memory did not serve, when it did not and something was there
+
+
+class AdapterRuntime:
+    """One rank's ftmem, as an adapter drives it. Construction is collective."""
+
+    def __init__(self, config: FtmemConfig, layout: ParallelLayout, format: FrameworkFormat,
+                 persist_dir: Optional[str] = None, persist_interval: int = 0, persist_keep: Optional[int] = None):
+        """``persist_dir``: the persistent tier's directory (flushes every
+        ``persist_interval``-th protected version, and those saved with ``persist``)."""
+        self.config, self.format = config, format
+        self.engine = SnapshotEngine(config, layout=layout, format=format.name)
+        self._handle: Optional[SaveHandle] = None
+        if persist_dir:
+            peers = self.engine.dp_peers
+            self.engine.persist_with(Flusher(persist_dir, persist_interval, persist_keep, format, self.rank,
+                                             first_replica=peers.ranks[0] == self.rank,
+                                             world_size=self.engine.identity.world_size))
+        _close_at_exit(self.engine)
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def dp_ranks(self) -> tuple[int, ...]:
+        return self.engine.dp_peers.ranks
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        """A gloo group of this rank's DP replicas (None without replicas)."""
+        return self.engine.dp_peers.group
+
+    # -- save ---------------------------------------------------------------------------
+    def save(self, state: dict, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
+             persist: bool = False) -> SaveHandle:
+        """Snapshot ``state`` with this rank's RNG (under ``"rng"``) as ``version``."""
+        self._handle = self.engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
+                                        persist=persist)
+        return self._handle
+
+    def wait_reusable(self) -> None:
+        """The last snapshot's copy is done: the optimizer may write the state again."""
+        if self._handle is not None:
+            self._handle.wait_reusable()
+
+    def make_step_wait(self, optimizer) -> None:
+        """Make ``optimizer.step`` wait for the last snapshot's copy first (once per
+        optimizer): every caller of the step is covered, with no hook in the loop."""
+        if optimizer is None or getattr(optimizer.step, "_ftmem_waits", False):
+            return
+        stock_step = optimizer.step
+
+        @functools.wraps(stock_step)
+        def step(*args, **kwargs):
+            self.wait_reusable()
+            return stock_step(*args, **kwargs)
+
+        step._ftmem_waits = True
+        optimizer.step = step
+
+    def wait_protected(self) -> None:
+        """Until every save so far is committed and protected on every rank."""
+        self.engine.wait_protected()
+
+    def wait_flushed(self) -> None:
+        """Until every save so far is protected and any flush it started is on disk."""
+        self.engine.wait_flushed()
+
+    # -- restore ------------------------------------------------------------------------
+    def restore(self, disk_version: Optional[int] = None) -> Resumption:
+        """Decide where to resume (collective): the newest version memory can recover for
+        every rank, unless the newest disk checkpoint (``disk_version``, None if there is
+        none) is newer; else disk; else scratch. A version saved under another layout is
+        refused with the reason, or skipped for the disk when ``allow_disk_fallback``."""
+        try:
+            restored = self.engine.restore()
+        except LayoutMismatch as e:
+            return self.refuse_memory(str(e), disk_version)
+        except NotRecoverableFromMemory as e:
+            return self._without_memory(str(e), disk_version)
+        if restored is None:
+            return self._without_memory("memory holds no version of this job" if disk_version is not None else None,
+                                        disk_version)
+        if disk_version is not None and restored.version < disk_version:
+            return self._without_memory(f"memory's newest version {restored.version} is older than iteration "
+                                        f"{disk_version} on disk", disk_version)
+        return Resumption(MEMORY, restored=restored)
+
+    def agree(self, problem: Optional[str]) -> Optional[str]:
+        """Every rank's verdict on its own part of a restore; the first problem any rank
+        has. All ranks must take the same path (memory or disk) or the next collective hangs."""
+        return next((p for p in gather_objects(problem, self.engine.job_group) if p is not None), None)
+
+    def refuse_memory(self, problem: str, disk_version: Optional[int]) -> Resumption:
+        """Memory holds a version this job cannot use (another layout, model or args):
+        stop with the reason, unless ``allow_disk_fallback`` lets the job load from disk."""
+        if not self.config.allow_disk_fallback:
+            where = f"iteration {disk_version}" if disk_version is not None else "there is none yet"
+            raise LayoutMismatch(f"{problem} To load the disk checkpoint instead ({where}), set "
+                                 f"\"allow_disk_fallback\": true in the \"ftmem\" config (Megatron: "
+                                 f"--ftmem-allow-disk-fallback).")
+        job_info("memory holds no version this job can use (%s); loading from disk as allow_disk_fallback allows",
+                 problem)
+        return self._without_memory(problem, disk_version)
+
+    @staticmethod
+    def _without_memory(reason: Optional[str], disk_version: Optional[int]) -> Resumption:
+        return Resumption(DISK if disk_version is not None else SCRATCH, reason=reason)
+
+    def resumed_from_memory(self, restored: Restored, detail: str = "") -> None:
+        """The adapter loaded ``restored`` into the framework: put back the RNG and say so."""
+        self.format.restore_rng(restored.state["rng"])
+        announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
+
+    def resumed_from_disk(self, iteration: int, directory: str, reason: Optional[str]) -> None:
+        announce(restored_from_disk(iteration, directory, self.rank, reason))
+
+    def resumed_from_scratch(self, reason: Optional[str]) -> None:
+        if reason is not None:
+            rank_info(self.rank, "memory could not serve (%s) and there is no disk checkpoint: starting from scratch",
+                      reason)
+
+    # -- end ----------------------------------------------------------------------------
+    def close(self, job_finished: bool) -> None:
+        """Close this rank's engine (every rank should). With ``job_finished`` the job's
+        snapshots are freed once all ranks have closed; without, they stay for a restart."""
+        self._handle = None
+        self.engine.close(job_finished=job_finished)
+
+
+def _close_at_exit(engine: SnapshotEngine) -> None:
+    """Close the engine when the process exits, telling a clean end from a crash: only a
+    clean end frees the job's memory; after an uncaught exception the snapshots stay for
+    the restart."""
+    crashed = False
+    previous_hook = sys.excepthook
+
+    def note_crash(*exc_info):
+        nonlocal crashed
+        crashed = True
+        previous_hook(*exc_info)
+
+    sys.excepthook = note_crash
+    atexit.register(lambda: engine.close(job_finished=not crashed))
