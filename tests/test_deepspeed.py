@@ -245,7 +245,8 @@ def test_a_flush_killed_midway_leaves_the_previous_checkpoint_the_newest(shm_dir
 def stock_deepspeed_load(config: str, checkpoint_dir: str, logs: str) -> list[str]:
     """Load ``checkpoint_dir`` with stock DeepSpeed (its default engine, 3 ranks, no ftmem
     module loaded); each rank's line ``STOCK LOADED <path> <global_steps> <next_step>``."""
-    gpt_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ftmem_deepspeed", "gpt.py")
+    gpt_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "deepspeed",
+                            "gpt.py")  # loaded by path: the examples package is not imported either
     stock_config = json.load(open(os.path.join(CONFIGS, config)))
     del stock_config["checkpoint"], stock_config["ftmem"]
     os.makedirs(logs, exist_ok=True)

@@ -2,8 +2,15 @@
 config selects (ftmem with ``"checkpoint": {"engine": "ftmem"}``).
 
     torchrun --nproc-per-node 3 -m examples.deepspeed.train_gpt --deepspeed-config configs/zero1.json \\
-        --save-dir ckpt --iters 20 [--load] [--out DIR]
+        --save-dir ckpt --iters 20 [--load] [--out DIR] [--checkpoint-engine default]
     deepspeed --num_gpus 3 examples/deepspeed/train_gpt.py ...   (same flags)
+
+``--checkpoint-engine default`` trains without ftmem: the config's ``"checkpoint"``
+engine and ``"ftmem"`` section are dropped and ``ftmem_deepspeed`` is not imported,
+so DeepSpeed's stock engine (``TorchCheckpointEngine``, torch.save) saves every step
+(the tests' uninterrupted reference runs, which show that ftmem changes nothing in
+training). It says which ftmem modules the process loaded: none with
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, which also keeps ``ftmem_guard`` out.
 
 A ``"pipeline": {"stages": S, "model_parallel": M}`` section trains it as a DeepSpeed
 PipelineModule of S stages on a pipe x data x model grid, which becomes DeepSpeed's
@@ -19,11 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
-
-import ftmem_deepspeed  # noqa: F401  (installs the "engine": "ftmem" selection)
 
 from examples.deepspeed.gpt import GPT, GPTConfig, Head, batch, layers, lm_loss
 
@@ -41,14 +47,27 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--ftmem", default=None, help='JSON merged into the config\'s "ftmem" section')
+    p.add_argument("--checkpoint-engine", choices=("ftmem", "default"), default="ftmem",
+                   help="ftmem (default): import ftmem_deepspeed and save with the engine the config selects; "
+                        "default: DeepSpeed's stock engine, no ftmem (the config's \"checkpoint\" engine and "
+                        "\"ftmem\" section dropped)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.checkpoint_engine == "default" and args.ftmem:
+        p.error("--ftmem configures the ftmem engine; --checkpoint-engine default does not use it")
+    return args
 
 
 def load_config(args) -> dict:
     with open(args.deepspeed_config) as f:
         config = json.load(f)
-    if args.ftmem:
+    if args.checkpoint_engine == "default":
+        config.pop("ftmem", None)
+        checkpoint = config.get("checkpoint", {})
+        checkpoint.pop("engine", None)
+        if not checkpoint:
+            config.pop("checkpoint", None)
+    elif args.ftmem:
         config.setdefault("ftmem", {}).update(json.loads(args.ftmem))
     return config
 
@@ -72,6 +91,8 @@ def main(argv=None) -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if args.checkpoint_engine == "ftmem":
+        import ftmem_deepspeed  # noqa: F401  (installs the "engine": "ftmem" selection)
     import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -95,6 +116,9 @@ def main(argv=None) -> None:
     rank = torch.distributed.get_rank()
     print(f"rank {rank}: ZeRO stage {zero_stage}, optimizer {type(engine.optimizer).__name__}, "
           f"checkpoint engine {type(engine.checkpoint_engine).__name__}", flush=True)
+    if args.checkpoint_engine == "default":
+        loaded = sorted(m for m in sys.modules if m.split(".")[0].startswith("ftmem"))
+        print(f"rank {rank}: ftmem modules loaded: {', '.join(loaded) or 'none'}", flush=True)
     piped = stages > 1 or model_parallel > 1
     replica = engine.mpu.get_data_parallel_rank() if piped else torch.distributed.get_rank(engine.data_parallel_group)
     torch.manual_seed(99 + rank)  # per-rank dropout masks
@@ -124,7 +148,8 @@ def main(argv=None) -> None:
         if (step + 1) % args.save_interval == 0:
             engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1})
         if step == args.stop_after:
-            engine.checkpoint_engine.wait_flushed()
+            if args.checkpoint_engine == "ftmem":
+                engine.checkpoint_engine.wait_flushed()  # the stock engine's save is done when it returns
             print(f"rank {rank}: stopped after step {step}; waiting to be killed", flush=True)
             while True:
                 time.sleep(3600)
