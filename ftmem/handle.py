@@ -8,8 +8,9 @@ from typing import Optional
 class SaveHandle:
     """A save of ``version`` in flight.
 
-    * ``wait_reusable()``: this rank's bytes are in shared memory and committed; the
-      source tensors may be modified again (call it before the optimizer step).
+    * ``wait_reusable()``: this rank's bytes are in shared memory (checksumming and
+      committing them follow on the copy thread); the source tensors may be modified
+      again (call it before the optimizer step).
     * ``wait_committed()``: every rank of the job has committed the version. Until
       then no rank overwrites its older version, so that a crash at any moment
       leaves one version that all ranks hold.

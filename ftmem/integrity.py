@@ -1,72 +1,58 @@
-"""Integrity: a version's bytes checked against the checksums taken when it was sealed.
+"""Integrity: a version's bytes checked against the checksums its writer took.
 
-The SMP seals a committed version off the critical path (:func:`seal`): an xxh3-64 of
-the slot's bytes in use and of the commit marker. Restore and export read a version
-only through :func:`verify` (data) and :func:`verify_parity` (parity pieces, whose
-checksums travel in their own marker); a mismatch is a :class:`CorruptShard`, which
-restore treats as a lost shard, never as data.
+The rank's copy thread checksums (xxh3-64) the slot bytes of a version right after
+copying them, before the commit marker exists, and keeps the checksum in the commit
+record; each parity holder checksums its pieces before writing the parity marker; and
+every marker carries a checksum of its own payload (:mod:`ftmem.slots`). A version
+therefore never counts as committed without a checksum of exactly what was written,
+and nothing computed later from whatever bytes are there can bless a damaged one.
+
+Restore and export read a version only through :func:`verify` (data) and
+:func:`verify_parity` (parity pieces). A mismatch, or a slot or marker file that is
+missing, empty, short or unreadable, is a :class:`CorruptShard`, which restore treats
+as a lost shard (rebuilt from parity, or an older version used), never as data.
 """
 from __future__ import annotations
 
-import pickle
-from typing import Optional
-
-from .checksum import ALGORITHM, checksum
+from .checksum import checksum
 from .errors import CorruptShard
-from .slots import PARITY, CommitRecord, ParityRecord, RankStore, unlink_if_present
+from .slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore
 
 
-def _unpickle(raw: bytes, what: str):
+def _checksums(store: RankStore, slot: int, kind: str, spans: list[tuple[int, int]], what: str) -> list[str]:
+    """The checksum of each (start, end) span of a slot file; CorruptShard if the file is
+    missing, empty or shorter than the spans."""
+    path = store.slot_path(slot, kind)
+    end = max(e for _, e in spans)
     try:
-        return pickle.loads(raw)
-    except Exception as e:
-        raise CorruptShard(f"{what} unreadable ({e}).") from e
-
-
-def seal(store: RankStore, version: int) -> Optional[dict]:
-    """Compute and store the checksums of a committed version; None if it vanished."""
-    try:
-        slot, marker = store.read_marker(version)
-        record: CommitRecord = _unpickle(marker, f"rank {store.rank} version {version}: commit marker")
-        with store.map_slot(slot, writable=False) as mm:
-            data = checksum(memoryview(mm)[: record.plan.nbytes])
-    except (CorruptShard, FileNotFoundError):
-        return None  # overwritten by a newer save meanwhile: nothing to seal
-    sealed = {"algorithm": ALGORITHM, "nbytes": record.plan.nbytes, "data": data, "commit": checksum(marker)}
-    if version in store.committed():
-        store.write_seal(version, sealed)
-    else:  # overwritten while it was checksummed
-        unlink_if_present(store.seal_path(version))
-    return sealed
+        with store.map_slot(slot, writable=False, kind=kind) as mm, memoryview(mm) as whole:
+            if len(whole) < end:
+                raise CorruptShard(f"{what}: {path} holds {len(whole)} bytes, fewer than the {end} written.")
+            return [checksum(whole[start:stop]) for start, stop in spans]
+    except (OSError, ValueError) as e:  # missing, or empty (mmap refuses a zero-length file)
+        raise CorruptShard(f"{what}: {path} cannot be read ({e}).") from e
 
 
 def verify(store: RankStore, version: int) -> CommitRecord:
-    """The version's record if its bytes match its seal; CorruptShard if not."""
-    sealed = store.read_seal(version)
-    if sealed is None or sealed.get("unreadable"):
-        raise CorruptShard(f"rank {store.rank} version {version}: no readable checksum (seal) in {store.node_dir}.")
-    slot, marker = store.read_marker(version)
-    if checksum(marker) != sealed["commit"]:
-        raise CorruptShard(f"rank {store.rank} version {version}: commit marker does not match its checksum.")
-    record: CommitRecord = _unpickle(marker, f"rank {store.rank} version {version}: commit marker")
-    with store.map_slot(slot, writable=False) as mm:
-        if len(mm) < sealed["nbytes"] or checksum(memoryview(mm)[: sealed["nbytes"]]) != sealed["data"]:
-            raise CorruptShard(
-                f"rank {store.rank} version {version}: data in {store.slot_path(slot)} does not match its checksum."
-            )
+    """The version's record if its marker is intact and its bytes match the writer's
+    checksum; CorruptShard if not."""
+    record = store.read_commit(version)
+    what = f"rank {store.rank} version {version}"
+    (data,) = _checksums(store, record.slot, DATA, [(0, record.plan.nbytes)], what)
+    if data != record.checksum:
+        raise CorruptShard(f"{what}: data in {store.slot_path(record.slot)} does not match its checksum.")
     return record
 
 
 def verify_parity(store: RankStore, version: int) -> ParityRecord:
-    """The version's parity record if its pieces match their checksums; CorruptShard if not."""
-    slot, raw = store.read_parity(version)
-    record: ParityRecord = _unpickle(raw, f"rank {store.rank} version {version}: parity marker")
-    with store.map_slot(slot, writable=False, kind=PARITY) as mm, memoryview(mm) as whole:
-        for i, expected in enumerate(record.checksums):
-            start, end = i * record.piece_size, (i + 1) * record.piece_size
-            if len(whole) < end or checksum(whole[start:end]) != expected:
-                raise CorruptShard(
-                    f"rank {store.rank} version {version}: parity piece {i} in "
-                    f"{store.slot_path(slot, PARITY)} does not match its checksum."
-                )
+    """The version's parity record if its marker is intact and its pieces match their
+    checksums; CorruptShard if not."""
+    record = store.read_parity(version)
+    what = f"rank {store.rank} version {version}"
+    piece = record.piece_size
+    spans = [(i * piece, (i + 1) * piece) for i in range(len(record.checksums))]
+    for i, (got, expected) in enumerate(zip(_checksums(store, record.slot, PARITY, spans, what), record.checksums)):
+        if got != expected:
+            raise CorruptShard(f"{what}: parity piece {i} in {store.slot_path(record.slot, PARITY)} does not match "
+                               f"its checksum.")
     return record

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import testhooks
 from .checksum import checksum
 from .codec import Codec
 from .errors import NotRecoverableFromMemory
@@ -73,6 +74,46 @@ def stripe_sources(group: ECGroup, stripe: int, has_data: set[int], has_parity: 
     return sorted(available, key=lambda a: a[1])[: group.k] if len(available) >= group.k else None
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """How a column's parity was encoded. Parity decodes only under the geometry it was
+    encoded with: other k, m, members, piece size or member lengths give garbage."""
+
+    k: int
+    m: int
+    nodes: tuple[int, ...]
+    piece_size: int
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, record: ParityRecord) -> "Geometry":
+        return cls(record.k, record.m, record.nodes, record.piece_size, record.lengths)
+
+    def fits(self, group: ECGroup, held_lengths: dict[int, int]) -> bool:
+        """Whether this parity can rebuild ``group`` now, whose members at the positions
+        of ``held_lengths`` hold data of those lengths."""
+        return ((self.k, self.m, self.nodes) == (group.k, group.m, group.nodes)
+                and self.piece_size == piece_size(list(self.lengths), group.k)
+                and all(self.lengths[pos] == n for pos, n in held_lengths.items()))
+
+    def __str__(self) -> str:
+        return (f"k={self.k}, m={self.m} over nodes {list(self.nodes)} (pieces of {self.piece_size} bytes, "
+                f"members' data {list(self.lengths)} bytes)")
+
+
+def geometry_problem(group: ECGroup, held_lengths: dict[int, int], recorded: list[Geometry]) -> Optional[str]:
+    """Why the parity held (``recorded``, one per holder) cannot rebuild ``group``'s lost
+    members as the job runs now, or None if it can."""
+    wrong = next((g for g in recorded if not g.fits(group, held_lengths)), None)
+    if wrong is None:
+        return None
+    lengths = ", ".join(str(held_lengths.get(pos, "lost")) for pos in range(group.n))
+    return (f"the parity of EC group of nodes {list(group.nodes)} was written for {wrong}, but the job now runs "
+            f"k={group.k}, m={group.m} over nodes {list(group.nodes)} (members' data [{lengths}] bytes); parity "
+            f"rebuilds only under the geometry it was written with, so restart with that \"ec\" k and m and node "
+            f"layout")
+
+
 def column_problem(group: ECGroup, has_data: set[int], has_parity: set[int]) -> Optional[str]:
     """Why the members lacking data cannot be rebuilt, or None if they can."""
     lost = [pos for pos in range(group.n) if pos not in has_data]
@@ -85,13 +126,16 @@ def column_problem(group: ECGroup, has_data: set[int], has_parity: set[int]) -> 
     return None
 
 
-def plan_recovery(topology: Topology, data: list[set[int]], parity: list[set[int]],
+def plan_recovery(topology: Topology, data: list[dict[int, int]], parity: list[dict[int, Geometry]],
                   requested: Optional[int] = None) -> Optional[tuple[int, list[int]]]:
     """The newest version every rank can restore, held or rebuilt, and the ranks to rebuild.
 
-    ``data[r]`` / ``parity[r]``: versions rank r holds intact. Returns None when no
-    rank holds any version (a fresh job); raises NotRecoverableFromMemory, naming the
-    groups and nodes, when versions exist but none is recoverable everywhere.
+    ``data[r]``: the versions rank r holds intact, with their lengths in bytes;
+    ``parity[r]``: the versions it holds intact parity for, with its geometry. Every
+    rank decides alike from the same inputs, before any rebuild moves a byte. Returns
+    None when no rank holds any version (a fresh job); raises NotRecoverableFromMemory,
+    naming the groups and nodes, when versions exist but none is recoverable everywhere
+    (too many losses, or parity written under another geometry than the job's now).
     """
     candidates = [requested] if requested is not None else sorted(set().union(*data), reverse=True)
     if not candidates:
@@ -101,9 +145,14 @@ def plan_recovery(topology: Topology, data: list[set[int]], parity: list[set[int
         problems, rebuild = [], []
         for g, local in topology.columns():
             ranks = topology.column_ranks(g, local)
+            group = topology.groups[g]
             has_data = {pos for pos, r in enumerate(ranks) if version in data[r]}
             has_parity = {pos for pos, r in enumerate(ranks) if version in parity[r]}
-            problem = column_problem(topology.groups[g], has_data, has_parity)
+            problem = None
+            if len(has_data) < group.n:
+                problem = (geometry_problem(group, {pos: data[ranks[pos]][version] for pos in has_data},
+                                            [parity[ranks[pos]][version] for pos in sorted(has_parity)])
+                           or column_problem(group, has_data, has_parity))
             if problem:
                 problems.append(problem)
             rebuild += [r for pos, r in enumerate(ranks) if pos not in has_data]
@@ -111,8 +160,8 @@ def plan_recovery(topology: Topology, data: list[set[int]], parity: list[set[int
             return version, sorted(rebuild)
         first_problems = first_problems or [f"version {version}: " + "; ".join(sorted(set(problems)))]
     raise NotRecoverableFromMemory(
-        "no version is recoverable from memory (more losses than parity in a group, or parity missing). "
-        f"Newest held: {first_problems[0]}. Fall back to a disk checkpoint."
+        "no version is recoverable from memory (more losses than parity in a group, parity missing, or parity "
+        f"written under another EC geometry). Newest held: {first_problems[0]}. Fall back to a disk checkpoint."
     )
 
 
@@ -177,14 +226,16 @@ class ColumnCoder:
                 self._put_piece(send_np[i * width : (i + 1) * width], data, lengths[pos], p * piece + start, width)
             recv = self._buffer("recv", len(incoming) * width)
             self._all_to_all(recv, send, incoming, outgoing, width)
+            if start == 0:  # the crash tests' "mid-exchange": pieces moved, no parity encoded or recorded yet
+                testhooks.at("mid_exchange", record.rank, record.version)
             recv_np = recv.numpy()
             at = {(stripe, q, p): i * width for i, (_, _, stripe, q, p) in enumerate(incoming)}
             for i, (stripe, q) in enumerate(held):
                 sources = [recv_np[at[(stripe, q, p)] : at[(stripe, q, p)] + width] for p in range(g.k)]
                 self.codec.encode_row(q, sources, parity[i * piece + start : i * piece + start + width])
         sums = [checksum(parity[i * piece : (i + 1) * piece]) for i in range(len(held))]
-        return ParityRecord(version=record.version, slot=record.slot, piece_size=piece, lengths=tuple(lengths),
-                            records=tuple(records), checksums=tuple(sums))
+        return ParityRecord(version=record.version, slot=record.slot, k=g.k, m=g.m, nodes=g.nodes,
+                            piece_size=piece, lengths=tuple(lengths), records=tuple(records), checksums=tuple(sums))
 
     def _all_to_all(self, recv: torch.Tensor, send: torch.Tensor, incoming: list, outgoing: list, piece: int) -> None:
         """Moves (source, destination, ...) are laid out by peer in both buffers."""
@@ -201,7 +252,10 @@ class ColumnCoder:
         """Collective over the column: survivors send the pieces each lost member needs;
         a lost member decodes its data and gets its commit record back.
 
-        Returns (record, data bytes) on a lost member, None on the others.
+        The parity's geometry must fit the column's (:func:`plan_recovery` checked it on
+        every rank alike before anything moves). Returns (record, data bytes) on a lost
+        member, None on the others; the caller verifies the bytes against the record's
+        checksum before using them.
         """
         g, pos, n, k = self.group, self.position, self.group.n, self.group.k
         metas: list = [None] * n

@@ -12,17 +12,17 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import integrity
+from . import integrity, testhooks
+from .checksum import checksum
 from .copier import read_from_slot, shard_bytes
-from .errors import CorruptShard, FtmemError, LayoutMismatch
+from .errors import CorruptShard, FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from .logs import rank_info, rank_warning
 from .parallel import ParallelLayout
 from .plan import SnapshotPlan
-from .protect import ColumnCoder, Topology, plan_recovery, with_slot
+from .protect import ColumnCoder, Geometry, Topology, plan_recovery, with_slot
 from .serialize import join_state
 from .slot_memory import SlotMemory
 from .slots import DATA, PARITY, CommitRecord, RankStore
-from .smp_client import SmpClient
 
 
 @dataclass
@@ -51,10 +51,9 @@ class DataParallelPeers:
 
 
 class Restorer:
-    def __init__(self, store: RankStore, memory: SlotMemory, smp: SmpClient, topology: Topology,
-                 column: Optional[ColumnCoder], gloo: Optional[dist.ProcessGroup], peers: DataParallelPeers,
-                 layout: ParallelLayout):
-        self.store, self.memory, self._smp = store, memory, smp
+    def __init__(self, store: RankStore, memory: SlotMemory, topology: Topology, column: Optional[ColumnCoder],
+                 gloo: Optional[dist.ProcessGroup], peers: DataParallelPeers, layout: ParallelLayout):
+        self.store, self.memory = store, memory
         self.topology, self._column, self._gloo = topology, column, gloo
         self.peers, self.layout = peers, layout
 
@@ -63,7 +62,8 @@ class Restorer:
         return self.store.rank
 
     def intact(self) -> tuple[dict[int, CommitRecord], dict]:
-        """Held versions whose checksums match: data records, and parity (record, bytes)."""
+        """Held versions whose checksums match: data records, and parity (record, bytes).
+        A damaged, missing or empty file loses its version on this rank, like a lost node."""
         data, parity = {}, {}
         for v in sorted(self.store.committed()):
             try:
@@ -71,9 +71,10 @@ class Restorer:
             except CorruptShard as e:
                 rank_warning(self.rank, "%s Treating it as lost.", e)
                 self.store.drop(v)
-        for v, slot in self.store.parity_held().items():
+        for v in sorted(self.store.parity_held()):
             try:
-                parity[v] = (integrity.verify_parity(self.store, v), self.memory.bytes_of(slot, PARITY).numpy())
+                record = integrity.verify_parity(self.store, v)
+                parity[v] = (record, self.memory.bytes_of(record.slot, PARITY).numpy())
             except CorruptShard as e:
                 rank_warning(self.rank, "%s Treating it as lost.", e)
                 self.store.drop_parity(v)
@@ -82,13 +83,23 @@ class Restorer:
     def restore(self, version: Optional[int], device: torch.device) -> Optional[Restored]:
         """See :meth:`ftmem.SnapshotEngine.restore`."""
         data, parity = self.intact()
-        held = gather_objects((sorted(data), sorted(parity)), self._gloo)
-        decision = plan_recovery(self.topology, [set(d) for d, _ in held], [set(p) for _, p in held], version)
+        held = gather_objects(({v: r.plan.nbytes for v, r in data.items()},
+                               {v: Geometry.of(p) for v, (p, _) in parity.items()}), self._gloo)
+        decision = plan_recovery(self.topology, [d for d, _ in held], [p for _, p in held], version)
         if decision is None:
             return None
         chosen, to_rebuild = decision
-        if self._column is not None and any(r in to_rebuild for r in self._column_ranks()):
-            self._rebuild(chosen, held, data, parity)
+        # The crash tests' "mid-restore": the job agreed on ``chosen``; nothing rebuilt or read yet.
+        testhooks.at("mid_restore", self.rank, chosen)
+        if to_rebuild:
+            problem = None
+            if self._column is not None and any(r in to_rebuild for r in self._column_ranks()):
+                problem = self._rebuild(chosen, held, data, parity)
+            # Every rank takes the same way out, or the next collective would hang.
+            problems = [p for p in gather_objects(problem, self._gloo) if p is not None]
+            if problems:
+                raise NotRecoverableFromMemory(f"version {chosen} cannot be rebuilt from memory: "
+                                               f"{'; '.join(problems)}. Fall back to a disk checkpoint.")
             data = {chosen: integrity.verify(self.store, chosen)} if self.rank in to_rebuild else data
         record = data[chosen]
         mismatch = record.layout and self.layout.mismatch(record.layout)
@@ -129,21 +140,28 @@ class Restorer:
         t = self.topology
         return t.column_ranks(t.group_index(self.rank), self.rank % t.ranks_per_node)
 
-    def _rebuild(self, version: int, held, data: dict, parity: dict) -> None:
+    def _rebuild(self, version: int, held, data: dict, parity: dict) -> Optional[str]:
+        """Rebuild the lost members of this rank's column (collective over the column). A
+        lost member stores its data only if it matches the checksum its writer took;
+        returns why not, else None."""
         ranks = self._column_ranks()
         has_data = {pos for pos, r in enumerate(ranks) if version in held[r][0]}
         has_parity = {pos for pos, r in enumerate(ranks) if version in held[r][1]}
         mine = self.memory.bytes_of(data[version].slot).numpy() if version in data else None
         rebuilt = self._column.rebuild(has_data, has_parity, mine, parity.get(version))
         if rebuilt is None:
-            return
+            return None
         record, raw = rebuilt
+        if len(raw) != record.plan.nbytes or checksum(raw) != record.checksum:
+            return (f"rank {self.rank}'s data rebuilt from parity does not match the checksum its writer took "
+                    f"(the parity does not belong to the data the survivors hold)")
         self.memory.reserve(record.plan.nbytes, self.store.capacity(PARITY))
         self.store.drop(version)
         slot = self.store.free_slot()
         self.store.drop_slot(slot)
+        # The crash tests' "mid-rebuild": rebuilt and checked, the slot emptied, nothing written into it yet.
+        testhooks.at("mid_rebuild", self.rank, version)
         self.memory.bytes_of(slot, DATA).numpy()[: len(raw)] = raw
         self.store.write_commit(with_slot(record, slot))
-        self._smp.request("committed", self.rank, version)
-        self._smp.request("sync")
         rank_info(self.rank, "rebuilt version %d (%d bytes) from its EC group's parity", version, len(raw))
+        return None

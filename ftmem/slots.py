@@ -2,16 +2,22 @@
 
 Each rank owns two slot files (double buffering). Version v is visible only through
 its commit marker, written atomically (temporary name, then rename) after all of
-v's bytes are in the slot; the SMP later adds a seal holding the checksums. With
-erasure coding, each data slot has a parity slot beside it, holding the parity
+v's bytes are in the slot; the marker holds the checksum of those bytes, taken by the
+writer before the marker exists, so no version ever counts as committed without one.
+With erasure coding, each data slot has a parity slot beside it, holding the parity
 pieces this rank keeps for its EC group's version in that slot. Files::
 
     rank00003.slot0 / rank00003.slot1          raw tensor bytes of one version each
-    rank00003.v000000000012.s1.commit          marker: the skeleton and byte plan of v12, in slot 1
-    rank00003.v000000000012.seal               checksums of v12 (JSON), written by the SMP
+    rank00003.v000000000012.s1.commit          marker: the skeleton, byte plan and data checksum
+                                               of v12, in slot 1
     rank00003.parity0 / rank00003.parity1      parity pieces, for the version in the same slot
-    rank00003.v000000000012.s1.parity          marker: piece size, group members' lengths and
-                                               commit records, checksums of the pieces
+    rank00003.v000000000012.s1.parity          marker: the EC geometry (k, m, nodes, piece size,
+                                               members' lengths), members' commit records,
+                                               checksums of the pieces
+
+Every marker starts with a checksum of its own payload (:func:`ftmem.checksum.with_checksum`):
+a marker that is missing, empty, torn or flipped reads as :class:`CorruptShard`, never as
+a record.
 
 Before a slot is overwritten, the marker of the version it held is removed, so a
 process killed mid-copy leaves a slot that no marker points at: the torn version is
@@ -19,7 +25,6 @@ invisible and the other slot's version is untouched.
 """
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import pickle
@@ -27,6 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from .checksum import checked, with_checksum
 from .errors import CorruptShard
 from .plan import SnapshotPlan
 from .parallel import ParallelLayout
@@ -54,6 +60,8 @@ class CommitRecord:
     skeleton: bytes
     layout: Optional[ParallelLayout] = None  # the job's parallel layout when the version was saved
     format: Optional[str] = None  # the FrameworkFormat that writes it to disk (ftmem.format), by name
+    checksum: Optional[str] = None  # of the slot's bytes in use; set by the writer before the marker exists
+    origin: Optional[str] = None  # the job that saved it (ftmem.ownership)
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,9 @@ class ParityRecord:
 
     version: int
     slot: int
+    k: int  # the EC geometry the parity was encoded under (a rebuild needs the same)
+    m: int
+    nodes: tuple[int, ...]  # the group's nodes, by position
     piece_size: int
     lengths: tuple[int, ...]  # data bytes of each member, by position in the group
     records: tuple[bytes, ...]  # each member's pickled CommitRecord, by position
@@ -79,8 +90,9 @@ def ranks_in(node_dir: str) -> list[int]:
 
 class RankStore:
     """One rank's files in a node directory: their names, which versions the markers say
-    are held, and reading and writing markers and seals. Checking bytes against seals is
-    :mod:`ftmem.integrity`; allocating the slots is the SMP's (:mod:`ftmem.allocation`)."""
+    are held, and reading and writing markers. Checking slot bytes against the markers'
+    checksums is :mod:`ftmem.integrity`; allocating the slots is the SMP's
+    (:mod:`ftmem.allocation`)."""
 
     def __init__(self, node_dir: str, rank: int):
         self.node_dir = node_dir
@@ -96,9 +108,6 @@ class RankStore:
 
     def parity_marker_path(self, version: int, slot: int) -> str:
         return f"{self._prefix}.v{version:012d}.s{slot}.parity"
-
-    def seal_path(self, version: int) -> str:
-        return f"{self._prefix}.v{version:012d}.seal"
 
     # -- what is held ------------------------------------------------------
     def _markers(self, kind: str) -> dict[int, int]:
@@ -132,12 +141,11 @@ class RankStore:
 
     # -- changes -----------------------------------------------------------
     def drop(self, version: int) -> None:
-        """Make a version invisible: markers first, then its seal."""
+        """Make a version invisible: its commit and parity markers."""
         slot = self.committed().get(version)
         if slot is not None:
             unlink_if_present(self.commit_path(version, slot))
         self.drop_parity(version)
-        unlink_if_present(self.seal_path(version))
 
     def drop_parity(self, version: int) -> None:
         slot = self.parity_held().get(version)
@@ -176,42 +184,25 @@ class RankStore:
         return version if version in self.committed() and version in self.parity_held() else None
 
     def write_parity(self, record: ParityRecord) -> None:
-        write_atomically(self.parity_marker_path(record.version, record.slot), pickle.dumps(record, protocol=5))
+        write_atomically(self.parity_marker_path(record.version, record.slot), _marker(record))
 
-    def read_parity(self, version: int) -> tuple[int, bytes]:
-        """(parity slot, raw parity marker) of a version; CorruptShard if there is none."""
+    def read_parity(self, version: int) -> ParityRecord:
+        """A version's parity record; CorruptShard if there is none, or its marker is damaged."""
         slot = self.parity_held().get(version)
         if slot is None:
             raise CorruptShard(f"rank {self.rank} holds no parity for version {version}.")
-        return slot, read_bytes(self.parity_marker_path(version, slot))
+        return _read_marker(self.parity_marker_path(version, slot),
+                            f"rank {self.rank} version {version}: parity marker")
 
     def write_commit(self, record: CommitRecord) -> None:
-        write_atomically(self.commit_path(record.version, record.slot), pickle.dumps(record, protocol=5))
+        write_atomically(self.commit_path(record.version, record.slot), _marker(record))
 
-    def read_marker(self, version: int) -> tuple[int, bytes]:
-        """(slot, raw commit marker) of a committed version; CorruptShard if it is not committed."""
+    def read_commit(self, version: int) -> CommitRecord:
+        """A committed version's record; CorruptShard if it is not committed, or its marker is damaged."""
         slot = self.committed().get(version)
         if slot is None:
             raise CorruptShard(f"rank {self.rank} holds no committed version {version} in {self.node_dir}.")
-        return slot, read_bytes(self.commit_path(version, slot))
-
-    def read_commit(self, version: int) -> CommitRecord:
-        _, raw = self.read_marker(version)
-        try:
-            return pickle.loads(raw)
-        except Exception as e:
-            raise CorruptShard(f"rank {self.rank} version {version}: commit marker unreadable ({e}).") from e
-
-    def write_seal(self, version: int, seal: dict) -> None:
-        write_atomically(self.seal_path(version), json.dumps(seal).encode())
-
-    def read_seal(self, version: int) -> Optional[dict]:
-        try:
-            return json.loads(read_bytes(self.seal_path(version)))
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            return {"unreadable": True}
+        return _read_marker(self.commit_path(version, slot), f"rank {self.rank} version {version}: commit marker")
 
     # -- memory ------------------------------------------------------------
     def map_slot(self, slot: int, writable: bool, kind: str = DATA) -> mmap.mmap:
@@ -223,6 +214,24 @@ class RankStore:
 def read_bytes(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
+
+
+def _marker(record) -> bytes:
+    return with_checksum(pickle.dumps(record, protocol=5))
+
+
+def _read_marker(path: str, what: str):
+    """The record in a marker file; CorruptShard if the file is missing, empty, torn or damaged."""
+    try:
+        payload = checked(read_bytes(path))
+    except OSError as e:  # removed meanwhile, or unreadable
+        raise CorruptShard(f"{what} {path} cannot be read ({e}).") from e
+    if payload is None:
+        raise CorruptShard(f"{what} {path} is empty or damaged: it does not match its own checksum.")
+    try:
+        return pickle.loads(payload)
+    except Exception as e:  # intact bytes another ftmem wrote, with classes this one lacks
+        raise CorruptShard(f"{what} {path} is unreadable ({e}).") from e
 
 
 def unlink_if_present(path: str) -> None:
