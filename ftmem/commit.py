@@ -3,9 +3,9 @@
 For each save, in order (DESIGN.md §3):
 
 1. what the slot held becomes invisible (its marker goes first), then the bytes are
-   copied in;
-2. the commit marker is written (atomic rename): the rank's part of v exists;
-   the handle becomes *reusable*, and the SMP is told so that it seals v;
+   copied in; the handle becomes *reusable*;
+2. the bytes are checksummed and the commit marker, which holds the checksum, is
+   written (atomic rename): the rank's part of v exists, and can be verified;
 3. with erasure coding, the column exchanges pieces and each member stores its parity
    (:class:`ftmem.protect.ColumnCoder`);
 4. the job agrees that every rank committed (and protected) v; the handle becomes
@@ -16,6 +16,7 @@ A crash at any step leaves the other slot's version intact.
 """
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -23,24 +24,24 @@ import torch
 import torch.distributed as dist
 
 from . import testhooks
+from .checksum import checksum
 from .copier import copy_into_slot
 from .errors import FtmemError
 from .handle import SaveHandle
-from .logs import job_info, rank_warning
+from .logs import job_info
 from .persist import Flusher
 from .protect import ColumnCoder
 from .slot_memory import SlotMemory
 from .slots import PARITY, CommitRecord, RankStore
-from .smp_client import SmpClient
 
 # Reads a whole version into private CPU memory (collective over the DP group).
 ReadVersion = Callable[[CommitRecord, torch.Tensor], Any]
 
 
 class Committer:
-    def __init__(self, store: RankStore, memory: SlotMemory, smp: SmpClient, column: Optional[ColumnCoder],
+    def __init__(self, store: RankStore, memory: SlotMemory, column: Optional[ColumnCoder],
                  gloo: Optional[dist.ProcessGroup], read_version: ReadVersion):
-        self.store, self.memory, self._smp = store, memory, smp
+        self.store, self.memory = store, memory
         self._column, self._gloo, self._read_version = column, gloo, read_version
         self.flusher: Optional[Flusher] = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftmem-copy")
@@ -70,13 +71,14 @@ class Committer:
             self.store.drop_slot(record.slot)  # what the slot held becomes invisible first
             copy_into_slot(slot_bytes, tensors, record.plan, cuda_ready, self._side_streams,
                            halfway=lambda: testhooks.at("mid_copy", self.rank, version))
+            # Reusable before the checksum: the source tensors are not read again, so the
+            # optimizer step waits for the copy only, never for the checksum.
+            handle._set_reusable()
+            # Taken from the slot before the marker exists: a version is never committed
+            # without the checksum of exactly what was written (ftmem.integrity).
+            record = dataclasses.replace(record, checksum=checksum(slot_bytes.numpy()[: record.plan.nbytes]))
             self.store.write_commit(record)
             testhooks.at("after_commit", self.rank, version)
-            handle._set_reusable()
-            try:
-                self._smp.request("committed", self.rank, version)
-            except Exception as e:  # the SMP seals it on its next rescan (restart or sync)
-                rank_warning(self.rank, "could not notify its SMP of version %d: %s", version, e)
             if self._column is not None:
                 self._protect(record, slot_bytes)
             if self._gloo is not None:
@@ -85,7 +87,8 @@ class Committer:
             if self.flusher is not None and self.flusher.due(asked=persist):
                 self._hand_over_for_flush(record, slot_bytes)
         except BaseException as e:
-            handle._fail(e)
+            # Files gone under the copy mean `ftmem clean`: say so, not a bare OSError.
+            handle._fail(self.memory.removed_error() or e)
 
     def _protect(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
         lengths, records, piece = self._column.exchange_info(record)
@@ -104,6 +107,13 @@ class Committer:
                              f"every rank must save the same version.")
         if self._column is not None:
             self.store.write_protected(version)
+
+    def flush_now(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
+        """Write ``record``'s version to the persistent tier and wait for it (collective;
+        the save thread is idle). Raises if it could not be written."""
+        self.flusher.start(record.version, self._read_version(record, slot_bytes))
+        self.flusher.wait()
+        self.flusher.raise_failure()
 
     def _hand_over_for_flush(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
         """A whole private copy of the version for the flusher, unless a flush is still

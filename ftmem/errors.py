@@ -17,6 +17,14 @@ class SmpError(FtmemError):
     """The node's snapshot management process could not be reached or started."""
 
 
+class SmpUnresponsive(SmpError):
+    """The node's SMP runs but did not answer within the bound (stopped, hung or starved)."""
+
+
+class SharedMemoryRemoved(FtmemError):
+    """The job's shared-memory directory was removed (``ftmem clean``) while the job ran."""
+
+
 class NoRecoverableVersion(FtmemError):
     """No version is held, intact, by every rank of the job."""
 
@@ -35,3 +43,7 @@ class LayoutMismatch(FtmemError):
 
 class UnsupportedTensor(FtmemError, TypeError):
     """A tensor kind a snapshot cannot hold (a subclass such as DTensor, sparse, quantized, meta)."""
+
+
+class JobAlreadyRunning(SmpError):
+    """Another live process already runs this rank of the job: two jobs share one id."""

@@ -15,6 +15,26 @@ def pid_alive(pid: int) -> bool:
     return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
 
 
+def process_start(pid: int) -> Optional[int]:
+    """When the process started (clock ticks since boot): with the pid, it names one process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+def process_state(pid: int) -> Optional[str]:
+    """The state letter /proc shows for a process (R, S, D, T stopped, Z ...); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3].decode()
+
+
 def cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
