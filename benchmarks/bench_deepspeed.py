@@ -106,12 +106,12 @@ def worker(argv=None) -> None:
             saves.append(timed(lambda: engine.save_checkpoint(ckpt)))
         if ftmem:
             engine.checkpoint_engine.wait_protected()
-            engine.checkpoint_engine.snapshots.close()  # keep the snapshots, as a crash would
+            engine.checkpoint_engine.runtime.close(job_finished=False)  # keep the snapshots, as a crash would
         figures[f"{name}_save_s"] = statistics.median(saves[1:])  # the first save allocates
         engine, cfg = engine_for(BIG, ftmem)  # a "restarted" engine: restore into fresh state
         figures[f"{name}_restore_s"] = timed(lambda: engine.load_checkpoint(ckpt))
         if ftmem:
-            engine.checkpoint_engine.snapshots.close(job_finished=True)
+            engine.checkpoint_engine.runtime.close(job_finished=True)
         del engine
 
     # 2. the same saves with every version flushed to disk: what the save call blocks
@@ -124,8 +124,8 @@ def worker(argv=None) -> None:
         engine.checkpoint_engine.wait_flushed()
         saves.append(timed(lambda: engine.save_checkpoint(os.path.join(args.work, "persisted"))))
         engine.checkpoint_engine.wait_flushed()
-        flushes.append(engine.checkpoint_engine.snapshots.last_flush)
-    engine.checkpoint_engine.snapshots.close(job_finished=True)
+        flushes.append(engine.checkpoint_engine.runtime.engine.last_flush)
+    engine.checkpoint_engine.runtime.close(job_finished=True)
     figures["persist_save_s"] = statistics.median(saves[1:])
     figures["flush_s"] = statistics.median(s for _, s in flushes[1:])
     figures["flush_mb"] = flushes[-1][0] / 2**20
@@ -151,7 +151,7 @@ def worker(argv=None) -> None:
                     times[name].append(timed(one_step))
         for name in engines:
             figures[f"iter_{case}_{name}_s"] = statistics.median(times[name][2:])  # past warm-up, allocation
-        engines["save"][0].checkpoint_engine.snapshots.close(job_finished=True)
+        engines["save"][0].checkpoint_engine.runtime.close(job_finished=True)
         del engines
     if rank == 0:
         report_figures(figures)

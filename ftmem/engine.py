@@ -20,6 +20,7 @@ thread), :class:`~ftmem.restore.Restorer` (version agreement, rebuild, DP gather
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -31,6 +32,8 @@ from .copier import capture_cuda_order
 from .errors import FtmemError
 from .handle import SaveHandle
 from .identity import RankIdentity
+from .logs import rank_warning
+from .ownership import refuse_foreign_versions
 from .parallel import ParallelLayout, make_dp_groups
 from .persist import Flusher
 from .placement import ec_groups
@@ -43,6 +46,9 @@ from .slots import CommitRecord, RankStore
 from .smp_client import SmpClient
 
 __all__ = ["SnapshotEngine", "Restored"]
+
+# How long a closing rank waits for the others to say whether the job finished.
+FINISH_TIMEOUT_S = float(os.environ.get("FTMEM_FINISH_TIMEOUT_S", "60"))
 
 
 def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
@@ -62,7 +68,10 @@ class SnapshotEngine:
     collective (it creates the engine's own gloo groups, kept apart from the
     training groups, for agreeing on versions, moving parity and joining DP shards).
     ``format`` names the :class:`~ftmem.format.FrameworkFormat` that writes this job's
-    versions to disk; it is recorded in every version.
+    versions to disk; ``origin`` says where the job comes from (its save directory). Both
+    are recorded in every version; with an origin, versions of another origin under this
+    job's id are refused (:mod:`ftmem.ownership`). The job id derives from the origin (by
+    default the working directory and script) unless FTMEM_JOB_ID or ``job_id`` sets it.
     """
 
     def __init__(
@@ -72,10 +81,11 @@ class SnapshotEngine:
         world_size: Optional[int] = None,
         layout: Optional[ParallelLayout] = None,
         format: Optional[str] = None,
+        origin: Optional[str] = None,
     ):
         self.config = config if isinstance(config, FtmemConfig) else FtmemConfig.from_dict(config)
         rank, world_size = _rank_and_world(rank, world_size)
-        self.identity = RankIdentity.resolve(self.config, rank, world_size)
+        self.identity = RankIdentity.resolve(self.config, rank, world_size, origin)
         self.layout = layout or ParallelLayout.data_parallel(world_size)
         self.layout.validate(world_size)
         self.format = format
@@ -84,7 +94,7 @@ class SnapshotEngine:
         k, m = self.config.ec.resolve(self.identity.num_nodes)
         self.topology = Topology(world_size, self.identity.ranks_per_node,
                                  tuple(ec_groups(self.identity.num_nodes, k, m)))
-        gloo = dp_group = column = None
+        gloo = dp_group = column = finish_group = None
         if world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise FtmemError(
@@ -92,6 +102,7 @@ class SnapshotEngine:
                     f"is created (call dist.init_process_group first)."
                 )
             gloo = dist.new_group(backend="gloo")
+            finish_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=FINISH_TIMEOUT_S))
             dp_group = make_dp_groups(self.layout, rank)
             if m > 0:
                 column = ColumnCoder(self.topology, rank)
@@ -101,19 +112,20 @@ class SnapshotEngine:
                                           sharded=dp_shard)
         #: a gloo group of the whole job, apart from the training groups (None on one rank)
         self.job_group = gloo
-        self._dp_shard, self._column = dp_shard, column
+        self._dp_shard, self._column, self._finish_group = dp_shard, column, finish_group
         node = self.identity.node
         self._smp = SmpClient(self.identity.node_dir, list(range(node * self.identity.ranks_per_node,
                                                                  (node + 1) * self.identity.ranks_per_node)))
-        self._smp.request("hello", rank)
+        self._smp.request("hello", rank, os.getpid())
         self.store = RankStore(self.identity.node_dir, rank)
+        refuse_foreign_versions(self.store, self.identity, gloo)
         self.memory = SlotMemory(self.store, self._smp)
-        self._restorer = Restorer(self.store, self.memory, self._smp, self.topology, column, gloo, self.dp_peers,
-                                  self.layout)
-        self._committer = Committer(self.store, self.memory, self._smp, column, gloo,
+        self._restorer = Restorer(self.store, self.memory, self.topology, column, gloo, self.dp_peers, self.layout)
+        self._committer = Committer(self.store, self.memory, column, gloo,
                                     lambda record, slot_bytes: self._restorer.read_version(record, slot_bytes,
                                                                                            torch.device("cpu")))
         self._inflight: Optional[SaveHandle] = None
+        self.protected: Optional[int] = None  # the newest version this engine saved and saw protected
         self._closed = False
 
     @property
@@ -155,7 +167,7 @@ class SnapshotEngine:
             self.memory.pin(slot_bytes)
         handle = SaveHandle(version)
         record = CommitRecord(version=version, rank=self.rank, slot=slot, plan=plan, skeleton=skeleton,
-                              layout=self.layout, format=self.format)
+                              layout=self.layout, format=self.format, origin=self.identity.origin)
         self._committer.start(handle, record, tensors, slot_bytes, capture_cuda_order(tensors), persist)
         self._inflight = handle
         return handle
@@ -174,16 +186,23 @@ class SnapshotEngine:
         if self._inflight is not None:
             handle, self._inflight = self._inflight, None
             handle.wait_committed()
+            self.protected = handle.version
 
     wait_protected = wait
 
     def wait_flushed(self) -> None:
-        """Until every save so far is protected and any flush it started is on disk (or
-        failed, logged). Without a persistent tier: until every save is protected."""
+        """Until every save so far is protected and any flush it started is on disk.
+        Without a persistent tier: until every save is protected. Raises if the last flush
+        failed (the training itself went on: memory still protects the version)."""
         self.wait()
         self._committer.drain()  # the copy thread has handed over what was due
         if self._committer.flusher is not None:
             self._committer.flusher.wait()
+            self._committer.flusher.raise_failure()
+
+    @property
+    def flusher(self) -> Optional[Flusher]:
+        return self._committer.flusher
 
     @property
     def last_flush(self) -> Optional[tuple[int, float]]:
@@ -191,10 +210,15 @@ class SnapshotEngine:
         flusher = self._committer.flusher
         return flusher.last_flush if flusher is not None else None
 
-    def wait_sealed(self) -> None:
-        """Wait until the node's SMP has checksummed every committed version."""
-        self.wait()
-        self._smp.request("sync")
+    def flush_newest(self) -> None:
+        """Write the newest protected version to the persistent tier now, unless it is
+        there already (collective: every rank; at the end of a job). Raises if it fails."""
+        flusher = self.flusher
+        self.wait_flushed()
+        if flusher is None or self.protected is None or flusher.flushed_version == self.protected:
+            return
+        record = self.store.read_commit(self.protected)
+        self._committer.flush_now(record, self.memory.bytes_of(record.slot))
 
     # -- restore --------------------------------------------------------------
     def versions(self) -> list[int]:
@@ -213,26 +237,45 @@ class SnapshotEngine:
         rank, and :class:`~ftmem.errors.LayoutMismatch` if the version was saved under
         another parallel layout. Held versions newer than the restored one are dropped.
         """
-        self.wait_sealed()  # whatever was committed but not sealed yet gets its checksum now
+        self.wait()  # a save in flight commits first
         return self._restorer.restore(version, torch.device(device))
 
     # -- end --------------------------------------------------------------------
     def close(self, job_finished: bool = False) -> None:
-        """Finish the save in flight and let go of the slots.
+        """Finish the save in flight and let go of the slots (collective: every rank closes).
 
-        With ``job_finished`` the rank tells its SMP the job ended cleanly; when all
-        ranks of the node have, the SMP frees the node's shared memory and exits.
-        Without it the snapshots stay for a restarted job (or ``ftmem clean``).
-        A second call does nothing (an exit hook may come after an explicit close).
+        With ``job_finished`` on every rank, the job says it is done: each rank tells its
+        SMP, which frees the node's shared memory once all its ranks have. If any rank
+        closes without it, fails to, or its last flush failed, the snapshots stay for a
+        restarted job (or ``ftmem clean``). A second call does nothing.
         """
         if self._closed:
             return
         self._closed = True
         try:
             self.wait_flushed()
+        except BaseException:
+            job_finished = False  # what did not reach the disk must stay in memory
+            raise
         finally:
             self._committer.shutdown()
             self.memory.unmap()
-            if job_finished:
+            if self.everyone_agrees(job_finished):
                 self._smp.finish(self.rank)
             self._smp.close()
+
+    def everyone_agrees(self, finished: bool) -> bool:
+        """Whether every rank of the job says ``finished`` (collective, bounded by
+        FINISH_TIMEOUT_S; False if a rank does not answer). Memory is freed only on a
+        job-wide agreement, never because one rank or node ended, so a rank that died in
+        the teardown keeps the job's versions."""
+        if self._finish_group is None:
+            return finished
+        vote = torch.tensor([int(finished)], dtype=torch.int64)
+        try:
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._finish_group)
+        except Exception as e:  # a rank died, or the process groups were destroyed first
+            rank_warning(self.rank, "could not agree with the other ranks that the job finished (%s); the job's "
+                         "memory stays for a restart", e)
+            return False
+        return bool(vote.item())

@@ -10,33 +10,53 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from .config import FtmemConfig
 from .errors import ConfigError
 
+if TYPE_CHECKING:  # the config checks job ids with is_job_id: it imports this module
+    from .config import FtmemConfig
+
 ROOT_NAME = "ftmem"
-_JOB_ID_OK = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_JOB_ID_CHARS = re.compile(r"[A-Za-z0-9._-]{1,128}")
+JOB_ID_RULE = "a job id of 1-128 letters, digits, '.', '_' and '-', other than '.' and '..'"
 
 
-def resolve_job_id(config_job_id: Optional[str], world_size: int) -> str:
-    """The job identity: FTMEM_JOB_ID, else the config's job_id, else
-    TORCHELASTIC_RUN_ID, else a stable value from MASTER_ADDR, MASTER_PORT and the
-    world size. A restarted job with the same identity finds its snapshots."""
-    elastic_run = os.environ.get("TORCHELASTIC_RUN_ID")
-    if elastic_run == "none":  # torchrun's placeholder with static rendezvous: not an identity
-        elastic_run = None
-    job = os.environ.get("FTMEM_JOB_ID") or config_job_id or elastic_run
-    if not job:
-        seed = f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '')}:{world_size}"
-        job = "job-" + hashlib.sha1(seed.encode()).hexdigest()[:12]
-    if not _JOB_ID_OK.match(job):
-        raise ConfigError(
-            f"job id {job!r} is not usable as a directory name: use 1-128 characters "
-            f"from letters, digits, '.', '_' and '-'."
-        )
+def is_job_id(job: object) -> bool:
+    """Whether ``job`` names a directory of its own under ``<shm_dir>/ftmem``: no
+    separator, and not '.' or '..' (which name the root itself or its parent)."""
+    return isinstance(job, str) and _JOB_ID_CHARS.fullmatch(job) is not None and job not in (".", "..")
+
+
+def check_job_id(job: object, source: str = "job id") -> str:
+    """``job`` if it is a usable job id; else a ConfigError that says where it came from
+    (``source``) and what is allowed. Every job id, from the training side or a command,
+    passes here before it becomes a path."""
+    if not is_job_id(job):
+        raise ConfigError(f"{source} {job!r} is not usable as a directory name: use {JOB_ID_RULE}.")
     return job
+
+
+def default_origin() -> str:
+    """Where a job comes from when its adapter names no save directory (the engine used
+    directly): the working directory and the script, which a relaunch of the same
+    command reproduces."""
+    return f"{os.path.realpath(os.getcwd())} {os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else ''}"
+
+
+def resolve_job_id(config_job_id: Optional[str], world_size: int, ranks_per_node: int, origin: str) -> str:
+    """The job identity: FTMEM_JOB_ID, else the config's job_id, else derived from facts a
+    relaunch of the *same* job reproduces and an unrelated job does not: its origin (the
+    save directory) and its world layout. Launcher values do not qualify: torchrun draws a
+    new TORCHELASTIC_RUN_ID at every launch, and unrelated jobs share MASTER_ADDR/PORT."""
+    if os.environ.get("FTMEM_JOB_ID"):
+        return check_job_id(os.environ["FTMEM_JOB_ID"], "FTMEM_JOB_ID")
+    if config_job_id:
+        return check_job_id(config_job_id)
+    seed = f"{origin}|world={world_size}|ranks_per_node={ranks_per_node}"
+    return "job-" + hashlib.sha1(seed.encode()).hexdigest()[:12]
 
 
 def resolve_ranks_per_node(configured: Optional[int], world_size: int) -> int:
@@ -51,7 +71,14 @@ def resolve_ranks_per_node(configured: Optional[int], world_size: int) -> int:
 
 
 def job_root(shm_dir: str, job: str) -> str:
-    return os.path.join(shm_dir, ROOT_NAME, job)
+    """``<shm_dir>/ftmem/<job>``, refused unless it is a directory of its own there: a
+    valid job id, and no symbolic link leading elsewhere (ftmem clean deletes what is in it)."""
+    root = os.path.join(shm_dir, ROOT_NAME)
+    path = os.path.join(root, check_job_id(job))
+    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(root):
+        raise ConfigError(f"{path} leads outside {root} (to {os.path.realpath(path)}): ftmem keeps a job's "
+                          f"memory only in a directory of its own there. Remove the link.")
+    return path
 
 
 def node_dir(shm_dir: str, job: str, node: int) -> str:
@@ -67,18 +94,18 @@ class RankIdentity:
     world_size: int
     ranks_per_node: int
     shm_dir: str
+    # Where the job comes from (its save directory, as the adapter says): recorded in every
+    # version, so that a job never restores, nor deletes, the versions of another job that
+    # shares its id. None for the engine used directly, which checks no ownership.
+    origin: Optional[str]
 
     @classmethod
-    def resolve(cls, config: FtmemConfig, rank: int, world_size: int) -> "RankIdentity":
+    def resolve(cls, config: FtmemConfig, rank: int, world_size: int, origin: Optional[str] = None) -> "RankIdentity":
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside the world of size {world_size}.")
-        return cls(
-            job=resolve_job_id(config.job_id, world_size),
-            rank=rank,
-            world_size=world_size,
-            ranks_per_node=resolve_ranks_per_node(config.ranks_per_node, world_size),
-            shm_dir=config.shm_dir,
-        )
+        rpn = resolve_ranks_per_node(config.ranks_per_node, world_size)
+        return cls(job=resolve_job_id(config.job_id, world_size, rpn, origin or default_origin()), rank=rank,
+                   world_size=world_size, ranks_per_node=rpn, shm_dir=config.shm_dir, origin=origin)
 
     @property
     def node(self) -> int:
@@ -95,3 +122,10 @@ class RankIdentity:
     @property
     def node_dir(self) -> str:
         return node_dir(self.shm_dir, self.job, self.node)
+
+
+def check_node_layout(config: FtmemConfig, rank: int, world_size: int) -> None:
+    """Fail now, with the reason, if the config's nodes or EC groups cannot fit the world
+    (for adapters that start the engine later than the job)."""
+    identity = RankIdentity.resolve(config, rank, world_size, origin="")
+    config.ec.resolve(identity.num_nodes)

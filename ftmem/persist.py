@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import testhooks
+from .errors import ConfigError, FtmemError
 from .format import FrameworkFormat
 from .logs import job_info, rank_error, rank_info
 from .slots import write_atomically
@@ -43,6 +44,21 @@ def save_atomically(obj: Any, path: str) -> None:
     the whole file or none."""
     torch.save(obj, path + ".tmp")
     os.replace(path + ".tmp", path)
+
+
+def check_writable(root: str) -> None:
+    """The persist dir exists (or can be made) and takes files: found now, at start,
+    rather than by every flush failing later."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".ftmem-write-test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"the persistent tier's directory {root!r} (\"ftmem.persist.dir\", Megatron's --save) "
+                          f"cannot hold checkpoints ({e.strerror or e}): point it at a directory this user can "
+                          f"write.") from e
 
 
 def flushed(root: str) -> list[dict]:
@@ -67,7 +83,9 @@ class Flusher:
         self._protected = 0
         self._thread: Optional[threading.Thread] = None
         self.last_flush: Optional[tuple[int, float]] = None  # (bytes this rank wrote, seconds), for benchmarks
-        os.makedirs(root, exist_ok=True)
+        self.flushed_version: Optional[int] = None  # the newest version this job wrote to disk
+        self._failure: Optional[str] = None  # why the last flush failed, until one succeeds
+        check_writable(root)
 
     def due(self, asked: bool) -> bool:
         """Called once per protected version, in the same order on every rank: whether to
@@ -85,6 +103,11 @@ class Flusher:
     def wait(self) -> None:
         if self._thread is not None:
             self._thread.join()
+
+    def raise_failure(self) -> None:
+        """Raise if the last flush failed: what it was to write is in memory only."""
+        if self._failure is not None:
+            raise FtmemError(self._failure)
 
     def _flush(self, version: int, state: Any) -> None:
         name = self.format.checkpoint_name(version, state)
@@ -122,12 +145,15 @@ class Flusher:
         if not ok:
             done = flushed(root)
             newest = done[-1]["name"] if done else "no checkpoint"
+            self._failure = (f"the persistent tier could not write version {version} to {root} (a rank failed to "
+                             f"write it; see the log); {newest} stays the newest on disk. Fix the disk, or export "
+                             f"the version from memory with `ftmem export`.")
             job_info("version %d was not flushed (a rank failed to write it); %s stays the newest on disk",
                      version, newest)
             return
         if self.rank == 0:
             publish(root, os.path.basename(staging), name, version, self.format.publish, self.keep)
-        self.last_flush = (written, seconds)
+        self.last_flush, self.flushed_version, self._failure = (written, seconds), version, None
         rank_info(self.rank, "flushed version %d to %s: %.1f MiB in %.2f s (%.2f GB/s)", version,
                   os.path.join(root, name), written / 2**20, seconds, written / max(seconds, 1e-9) / 1e9)
 

@@ -12,12 +12,15 @@ does the rest, the same way for DeepSpeed and Megatron:
   layout mismatch means the same thing in both frameworks: a refusal naming what
   differs, unless ``allow_disk_fallback`` is set;
 * ``wait_protected`` / ``wait_flushed``, which mean the same thing everywhere;
-* closing the engine when the process exits.
+* the end of the job (:meth:`finish`, also run when the process exits): memory is freed
+  only when every rank ended cleanly and the newest version is on disk; otherwise it
+  stays for a restart, and the log says how to free it.
 """
 from __future__ import annotations
 
 import atexit
 import functools
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -25,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import testhooks
 from .config import FtmemConfig
 from .engine import SnapshotEngine
 from .errors import LayoutMismatch, NotRecoverableFromMemory
@@ -32,7 +36,8 @@ from .format import FrameworkFormat
 from .handle import SaveHandle
 from .logs import announce, job_info, rank_info, restored_from_disk, restored_from_memory
 from .parallel import ParallelLayout
-from .persist import Flusher
+from .identity import check_node_layout
+from .persist import Flusher, check_writable
 from .restore import Restored, gather_objects
 
 MEMORY, DISK, SCRATCH = "memory", "disk", "scratch"
@@ -50,19 +55,23 @@ class Resumption:
 class AdapterRuntime:
     """One rank's ftmem, as an adapter drives it. Construction is collective."""
 
-    def __init__(self, config: FtmemConfig, layout: ParallelLayout, format: FrameworkFormat,
+    def __init__(self, config: FtmemConfig, layout: ParallelLayout, format: FrameworkFormat, save_dir: str,
                  persist_dir: Optional[str] = None, persist_interval: int = 0, persist_keep: Optional[int] = None):
-        """``persist_dir``: the persistent tier's directory (flushes every
+        """``save_dir``: where the framework saves this job's checkpoints; the job's
+        origin, which a relaunch of the same job reproduces (see ftmem.identity).
+        ``persist_dir``: the persistent tier's directory (flushes every
         ``persist_interval``-th protected version, and those saved with ``persist``)."""
         self.config, self.format = config, format
-        self.engine = SnapshotEngine(config, layout=layout, format=format.name)
+        self.engine = SnapshotEngine(config, layout=layout, format=format.name,
+                                     origin=f"save dir {os.path.realpath(save_dir)}")
         self._handle: Optional[SaveHandle] = None
         if persist_dir:
             peers = self.engine.dp_peers
             self.engine.persist_with(Flusher(persist_dir, persist_interval, persist_keep, format, self.rank,
                                              first_replica=peers.ranks[0] == self.rank,
                                              world_size=self.engine.identity.world_size))
-        _close_at_exit(self.engine)
+        self._crashed = self._finished = False
+        _close_at_exit(self)
 
     @property
     def rank(self) -> int:
@@ -169,23 +178,67 @@ class AdapterRuntime:
 
     # -- end ----------------------------------------------------------------------------
     def close(self, job_finished: bool) -> None:
-        """Close this rank's engine (every rank should). With ``job_finished`` the job's
-        snapshots are freed once all ranks have closed; without, they stay for a restart."""
+        """Close this rank's engine (collective). With ``job_finished`` on every rank the
+        job's snapshots are freed; otherwise they stay for a restart."""
         self._handle = None
         self.engine.close(job_finished=job_finished)
 
+    def finish(self, on_disk: Optional[int] = None) -> None:
+        """This rank's part of the job ended (collective; also run at exit). If every rank
+        ended cleanly, the persistent tier (if any) first writes the newest version, and
+        the job's memory is freed once that version is on disk (or the framework's own save
+        of iteration ``on_disk`` is at least as new); else the memory stays for a restart
+        of the same job, and rank 0 says how to free it."""
+        if self._finished:
+            return
+        self._finished = True
+        problem = "this rank ended with an uncaught exception" if self._crashed else None
+        if problem is None:
+            try:
+                self.engine.wait_flushed()
+            except Exception as e:
+                problem = str(e)
+        # Every rank ended cleanly, or none does anything collective beyond this vote.
+        if not self.engine.everyone_agrees(problem is None):
+            return self._keep(problem or "a rank did not end cleanly")
+        flusher, newest = self.engine.flusher, self.engine.protected
+        testhooks.at("finish", self.rank, -1 if newest is None else newest)
+        if flusher is not None and (on_disk is None or newest is None or on_disk < newest):
+            try:
+                self.engine.flush_newest()  # the persistent tier writes it first
+            except Exception as e:
+                return self._keep(str(e))
+        written = max((v for v in (on_disk, flusher and flusher.flushed_version) if v is not None), default=None)
+        if newest is not None and (written is None or written < newest):
+            return self._keep("no persistent tier is configured, so it is not on disk" if written is None else
+                              f"it is not on disk: the newest checkpoint there is version {written}")
+        self.close(job_finished=True)
 
-def _close_at_exit(engine: SnapshotEngine) -> None:
-    """Close the engine when the process exits, telling a clean end from a crash: only a
-    clean end frees the job's memory; after an uncaught exception the snapshots stay for
-    the restart."""
-    crashed = False
+    def _keep(self, reason: str) -> None:
+        self.close(job_finished=False)
+        identity = self.engine.identity
+        job_info("job %s keeps its newest version (%s) in shared memory (%s): a restart of the same job resumes "
+                 "from it. To free it: ftmem clean --job %s --shm-dir %s", identity.job, self.engine.protected,
+                 reason, identity.job, identity.shm_dir)
+
+
+def check_startup(config: FtmemConfig, rank: int, world_size: int) -> None:
+    """For an adapter that starts its runtime after the job (DeepSpeed: at the first save
+    or load): fail at the job's start, with the reason, if the config's nodes and EC
+    groups cannot fit the world or the persistent tier's directory takes no files."""
+    check_node_layout(config, rank, world_size)
+    if config.persist.dir:
+        check_writable(config.persist.dir)
+
+
+def _close_at_exit(runtime: AdapterRuntime) -> None:
+    """Finish the job when the process exits, telling a crash (an uncaught exception, whose
+    snapshots must stay for the restart) from an ordinary end."""
     previous_hook = sys.excepthook
 
     def note_crash(*exc_info):
-        nonlocal crashed
-        crashed = True
+        runtime._crashed = True
         previous_hook(*exc_info)
 
     sys.excepthook = note_crash
-    atexit.register(lambda: engine.close(job_finished=not crashed))
+    atexit.register(runtime.finish)

@@ -1,8 +1,8 @@
 """ftmem for DeepSpeed: ``import ftmem_deepspeed`` before ``deepspeed.initialize`` and
 set ``"checkpoint": {"engine": "ftmem"}`` in the JSON config.
 
-The import installs two small hooks (``patches/deepspeed-0.19.8-ftmem.patch`` makes
-both native, for those who keep a DeepSpeed fork; the import then changes nothing):
+The import installs three small hooks (``patches/deepspeed-0.19.8-ftmem.patch`` makes
+all three native, for those who keep a DeepSpeed fork; the import then changes nothing):
 
 * DeepSpeed imports ``create_checkpoint_engine`` by name into
   ``deepspeed.runtime.engine``; that name is wrapped so that ``"engine": "ftmem"``
@@ -10,6 +10,9 @@ both native, for those who keep a DeepSpeed fork; the import then changes nothin
 * ``DeepSpeedEngine._take_model_step`` (the optimizer step of both the plain and the
   pipeline engine) first waits until the last snapshot's copy is done, since the
   step overwrites what it copies.
+* ``DeepSpeedEngine.load_checkpoint`` without a tag asks ftmem what to resume from
+  (:meth:`FtmemCheckpointEngine.resume_point`) instead of trusting ``latest``, which
+  DeepSpeed writes before the snapshot is committed, and not atomically.
 """
 from __future__ import annotations
 
@@ -47,6 +50,19 @@ def install() -> None:
         return stock_step(self, *args, **kwargs)
 
     ds_engine.DeepSpeedEngine._take_model_step = _take_model_step
+
+    stock_load = ds_engine.DeepSpeedEngine.load_checkpoint
+
+    @functools.wraps(stock_load)
+    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        if tag is None and isinstance(self.checkpoint_engine, FtmemCheckpointEngine):
+            point = self.checkpoint_engine.resume_point(load_dir)
+            if point is None:
+                return None, None  # nothing to resume from: as stock DeepSpeed without a `latest`
+            load_dir, tag = point
+        return stock_load(self, load_dir, tag, *args, **kwargs)
+
+    ds_engine.DeepSpeedEngine.load_checkpoint = load_checkpoint
 
 
 install()

@@ -15,6 +15,7 @@ the first stage's model-states file on every stage), never their tensors.
 """
 from __future__ import annotations
 
+import glob
 import os
 import pickle
 from typing import Any, Optional
@@ -23,8 +24,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, ParallelLayout, flushed, gather_dp_groups,
-                   write_atomically)
+from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, ParallelLayout, check_startup, flushed,
+                   gather_dp_groups, write_atomically)
 
 from .format import DeepSpeedFormat
 
@@ -98,10 +99,12 @@ class FtmemCheckpointEngine(CheckpointEngine):
         section = (getattr(config_params, "_param_dict", None) or {}).get("ftmem")
         self.config = FtmemConfig.from_dict(section)
         self.zero_stage = zero_stage
-        persist = self.config.persist
         self.format = DeepSpeedFormat()
-        self.runtime = AdapterRuntime(self.config, parallel_layout(zero_stage), self.format, persist.dir,
-                                      persist.interval, persist.keep)
+        self._layout = parallel_layout(zero_stage)
+        # Checked now, at deepspeed.initialize; the runtime itself starts at the first save
+        # or load, when the save dir (the job's origin) is known.
+        check_startup(self.config, dist.get_rank(), dist.get_world_size())
+        self.runtime: Optional[AdapterRuntime] = None
         self._files: dict[str, Any] = {}
         self._replicated: set[int] = set()
         self._restored: Optional[dict] = None
@@ -109,7 +112,17 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._disk_dir: Optional[str] = None  # the persisted checkpoint a restart fell back to
 
     # -- DeepSpeed's interface ----------------------------------------------------------
+    def _start(self, save_dir: str) -> AdapterRuntime:
+        """The rank's runtime, started at DeepSpeed's first save or load (collective: all
+        ranks save and load together)."""
+        if self.runtime is None:
+            persist = self.config.persist
+            self.runtime = AdapterRuntime(self.config, self._layout, self.format, save_dir, persist.dir,
+                                          persist.interval, persist.keep)
+        return self.runtime
+
     def create(self, info: CheckpointCommitInfo) -> None:
+        self._start(info.save_dir)
         self._files, self._replicated = {}, set()
 
     def makedirs(self, path, exist_ok=False) -> None:
@@ -138,10 +151,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location=None):
         if not is_stub(path):  # a checkpoint written by another engine: stock behaviour
             return torch.load(path, map_location=map_location, weights_only=False)
+        self._start(os.path.dirname(os.path.dirname(path)))
         state = self._restore()
-        if self._disk_dir is not None:  # memory could not serve: the persisted checkpoint's copy of this file
-            return torch.load(os.path.join(self._disk_dir, os.path.basename(path)), map_location=map_location,
-                              weights_only=False)
         key = file_key(path)
         if state is not None and key not in state["files"] and state["tag"] == os.path.basename(os.path.dirname(path)):
             return read_stub(path)["metadata"]  # another rank's file of the restored version
@@ -160,17 +171,42 @@ class FtmemCheckpointEngine(CheckpointEngine):
         return False
 
     # -- ftmem ---------------------------------------------------------------------------
+    def resume_point(self, load_dir: str) -> Optional[tuple[str, Optional[str]]]:
+        """What ``load_checkpoint(load_dir)`` without a tag resumes from, whatever DeepSpeed's
+        ``latest`` says (it may name a version memory never committed, or be empty after a
+        kill mid-write): ``(load_dir, tag)`` of memory's newest recoverable version, else
+        ``(persist dir, tag)`` of the persistent tier's newest checkpoint, else
+        ``(load_dir, None)`` to let DeepSpeed read ``latest`` when it names another
+        engine's files; None when there is nothing to resume from (said in the log).
+        Collective: every rank loads."""
+        self._start(load_dir)
+        self._restore()
+        if self._restored is not None:
+            return load_dir, self._restored["tag"]
+        if self._disk_dir is not None:
+            return os.path.dirname(self._disk_dir), os.path.basename(self._disk_dir)
+        latest = _read_latest(load_dir)
+        if latest and not any(is_stub(f) for f in glob.glob(os.path.join(load_dir, latest, "*"))):
+            return load_dir, None  # files another engine wrote: DeepSpeed loads them as usual
+        if latest:
+            self.runtime.resumed_from_scratch(f"{os.path.join(load_dir, 'latest')} names {latest}, an ftmem "
+                                              f"checkpoint that neither memory nor the persistent tier holds")
+        return None
+
     def wait_reusable(self) -> None:
         """Before the optimizer writes the state again: the snapshot's copy must be done."""
-        self.runtime.wait_reusable()
+        if self.runtime is not None:
+            self.runtime.wait_reusable()
 
     def wait_protected(self) -> None:
         """Until the last snapshot is committed and protected on every rank."""
-        self.runtime.wait_protected()
+        if self.runtime is not None:
+            self.runtime.wait_protected()
 
     def wait_flushed(self) -> None:
         """Until the last snapshot is protected and any flush to the persist dir is done."""
-        self.runtime.wait_flushed()
+        if self.runtime is not None:
+            self.runtime.wait_flushed()
 
     def _version(self) -> int:
         steps = {sd.get("global_steps") for sd in self._files.values() if isinstance(sd, dict)} - {None}
@@ -183,7 +219,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
 
     def _restore(self) -> Optional[dict]:
         """Restore once per process, at DeepSpeed's first load (all ranks reach it together):
-        memory, else the persistent tier's newest checkpoint, whatever tag DeepSpeed asks for."""
+        memory, else the persistent tier's newest checkpoint (then DeepSpeed reads its real
+        files, see :meth:`resume_point`)."""
         if self._restore_tried:
             return self._restored
         self._restore_tried = True
@@ -214,6 +251,15 @@ class FtmemCheckpointEngine(CheckpointEngine):
         dist.broadcast_object_list(shared, src=source, group=self.runtime.dp_group)
         for key, state_dict in shared[0].items():
             files.setdefault(key, state_dict)
+
+
+def _read_latest(load_dir: str) -> str:
+    """The tag DeepSpeed's ``latest`` names; empty if it is missing or empty."""
+    try:
+        with open(os.path.join(load_dir, "latest")) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _tensors(obj) -> list:

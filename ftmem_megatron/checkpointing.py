@@ -103,7 +103,7 @@ class MegatronCheckpointer:
     def __init__(self, args):
         persist_dir = args.save if flushes_from_memory(args) else None
         self.runtime = AdapterRuntime(validate_ftmem_args(args), parallel_layout(args), MegatronFormat(),
-                                      persist_dir=persist_dir)
+                                      save_dir=args.save, persist_dir=persist_dir)
         self._described = False
         self._memory_failed: Optional[str] = None  # why memory did not serve the last load, for the disk line
 
@@ -179,6 +179,9 @@ class MegatronCheckpointer:
         self.runtime.resumed_from_memory(restored)
         return state["iteration"], state["num_floating_point_operations_so_far"]
 
+    def finish(self, args) -> None:
+        self.runtime.finish(on_disk=disk_iteration(args.save) if args.save else None)
+
     def report_disk_load(self, iteration: int, args) -> None:
         if self._memory_failed is None:
             return
@@ -247,6 +250,16 @@ def wait_flushed() -> None:
 def last_flush() -> Optional[tuple[int, float]]:
     """(bytes this rank wrote, seconds) of the last persistent checkpoint written from memory."""
     return _checkpointer.runtime.engine.last_flush if _checkpointer is not None else None
+
+
+def finish(args) -> None:
+    """The training ended on this rank (collective, before the process groups go): free
+    the job's memory if its newest version is on disk (``args.save``), else keep it for a
+    restart and say so."""
+    global _checkpointer
+    checkpointer, _checkpointer = _checkpointer, None
+    if checkpointer is not None:
+        checkpointer.finish(args)
 
 
 def close(job_finished: bool) -> None:

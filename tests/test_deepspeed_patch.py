@@ -35,10 +35,14 @@ def test_patch_applies_and_selects_ftmem_natively(tmp_path, shm_dir):
                                           groups, 1, False, True)
         stock = create_checkpoint_engine(DeepSpeedConfig(base), groups, 1, False, True)
         print("SELECTED", type(chosen).__name__, type(stock).__name__, "ftmem_deepspeed" in sys.modules)
-        chosen.snapshots.close(job_finished=True)
+        import inspect
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        print("HOOKS", "resume_point" in inspect.getsource(DeepSpeedEngine.load_checkpoint),
+              "wait_reusable" in inspect.getsource(DeepSpeedEngine._take_model_step))
     """)
     env = dict(os.environ, PYTHONPATH=str(tmp_path), DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "SELECTED FtmemCheckpointEngine TorchCheckpointEngine" in out.stdout
+    assert "HOOKS True True" in out.stdout

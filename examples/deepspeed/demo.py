@@ -29,7 +29,10 @@ def run_demo(shm_dir: str = "/dev/shm") -> bool:
     def trainer(out_dir: str, job_id: str, *extra: str, stock: bool = False) -> LocalJob:
         """The trainer with ftmem, or ``stock``: DeepSpeed's default checkpoint engine, no ftmem module loaded."""
         os.makedirs(out_dir, exist_ok=True)
-        engine = ["--checkpoint-engine", "default"] if stock else ["--ftmem", json.dumps({"shm_dir": shm_dir})]
+        # The persistent tier writes the newest version to disk when the job ends (its
+        # interval is longer than the run), which lets the finished job free its memory.
+        ftmem = {"shm_dir": shm_dir, "persist": {"dir": os.path.join(out_dir, "persist"), "interval": 100}}
+        engine = ["--checkpoint-engine", "default"] if stock else ["--ftmem", json.dumps(ftmem)]
         args = ["--deepspeed-config", CONFIG, "--save-dir", os.path.join(out_dir, "ckpt"), "--iters", str(ITERS),
                 "--out", out_dir, *engine, *extra]
         env = {"DS_ACCELERATOR": "cpu", **({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"} if stock else {})}

@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--out", default=None,
                    help="(tests) write per-iteration losses and per-rank digests of the final state as JSON")
+    g.add_argument("--loss-log", default=None,
+                   help="(tests) append each iteration's loss as a JSON line once it is computed, across restarts "
+                        "(a killed run's losses included, which --out, written at the end, does not have)")
     g.add_argument("--stop-after", type=int, default=None,
                    help="(tests) once iteration N's in-memory snapshot is protected, wait to be killed")
     args = p.parse_args(argv)
@@ -333,6 +336,9 @@ def train(args, model, optimizer, opt_param_scheduler, iteration, flops_so_far) 
         flops_so_far += floating_point_operations(args)
         if is_loss_reporter():
             losses[iteration] = loss
+            if args.loss_log:
+                with open(args.loss_log, "a") as f:
+                    f.write(json.dumps({"it": iteration, "hex": float32_hex(loss)}) + "\n")
             if iteration % args.log_interval == 0:
                 log_iteration(args, iteration, loss.item(), grad_norm, optimizer.param_groups[0]["lr"],
                               time.monotonic() - started)
@@ -444,6 +450,7 @@ def main(argv=None) -> None:
     if args.out:
         write_out(args, losses, model, optimizer)
     torch.distributed.barrier()
+    checkpointing.finish(args)  # before the process groups go: the ranks agree on freeing memory
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

@@ -1,0 +1,60 @@
+"""A job on the adapter runtime (ftmem.AdapterRuntime) for the lifecycle tests: every
+rank saves a tensor per step, protected, and ends the way ``--end`` says.
+
+    python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise} [--persist DIR]
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ftmem import MEMORY, AdapterRuntime, FrameworkFormat, FtmemConfig, ParallelLayout, save_atomically, write_atomically
+
+
+class TensorFiles(FrameworkFormat):
+    """One file per rank and version: enough of a framework for the persistent tier."""
+
+    name = "test-tensor-files"
+
+    def checkpoint_name(self, version, state):
+        return f"v{version}"
+
+    def write_rank(self, state, directory, rank, first_replica, wrote):
+        save_atomically(state["w"], os.path.join(directory, f"rank{rank}.pt"))
+        wrote(state["w"].numel() * 4)
+
+    def publish(self, root, name):
+        write_atomically(os.path.join(root, "newest"), name.encode())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--end", choices=("return", "exit1", "raise"), default="return")
+    p.add_argument("--persist", default=None)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    config = FtmemConfig.from_dict({"ranks_per_node": 1, "ec": {"k": 1, "m": 1}, "shm_dir": os.environ["SHM_DIR"]})
+    runtime = AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(), save_dir=args.out,
+                             persist_dir=args.persist, persist_interval=1 if args.persist else 0)
+    resumption = runtime.restore()
+    start = 1
+    if resumption.source == MEMORY:
+        runtime.resumed_from_memory(resumption.restored)
+        start = resumption.restored.version + 1
+    for step in range(start, args.steps + 1):
+        runtime.save({"w": torch.full((1000,), float(step))}, step)
+        runtime.wait_flushed()  # every version protected, and on disk with --persist (no flush is skipped)
+    print(f"rank {dist.get_rank()}: trained to step {args.steps}", flush=True)
+    if args.end == "exit1":
+        sys.exit(1)
+    if args.end == "raise":
+        raise RuntimeError("the training script failed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Memory is freed only when the job says it is done (issue 14, findings 5 and 8).
+
+Two ranks on two virtual nodes (k=1, m=1) run tests/lifecycle_job.py, a job on the
+adapter runtime, and end in different ways: real processes, real SMPs, real exits.
+"""
+import os
+import signal
+
+import pytest
+
+from conftest import job_id, logged
+from examples.launch import LocalJob, wait_until
+from ftmem import jobs, restored_from_memory
+
+TIMEOUT = 120
+
+
+def run(shm_dir, out, *args, job=None, env=None, rank_env=None) -> LocalJob:
+    return LocalJob("tests.lifecycle_job", ["--out", str(out), *args], 2, job, str(out),
+                    env={"SHM_DIR": shm_dir, **(env or {})}, rank_env=rank_env)
+
+
+def held(shm_dir, job):
+    return {n["node"]: n["versions"] for n in jobs.status(shm_dir, job)["jobs"][0]["nodes"]}
+
+
+def test_sys_exit_keeps_the_newest_version_for_the_restart(shm_dir, tmp_path):
+    """Finding 5: sys.exit(1) on every rank used to count as a clean end and free everything."""
+    job = job_id()
+    assert run(shm_dir, tmp_path, "--steps", "3", "--end", "exit1", job=job).wait(TIMEOUT) == [1, 1]
+    assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}
+    back = run(shm_dir, tmp_path, "--steps", "4", job=job)
+    assert back.wait(TIMEOUT) == [0, 0], back.log(0)
+    assert logged(restored_from_memory(3, 0), back.log(0)) and logged(restored_from_memory(3, 1), back.log(1))
+
+
+def test_an_uncaught_exception_keeps_the_newest_version(shm_dir, tmp_path):
+    job = job_id()
+    assert run(shm_dir, tmp_path, "--steps", "2", "--end", "raise", job=job).wait(TIMEOUT) == [1, 1]
+    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
+
+
+def test_a_finish_without_a_persistent_tier_keeps_memory_and_says_how_to_free_it(shm_dir, tmp_path):
+    job = job_id()
+    done = run(shm_dir, tmp_path, "--steps", "2", job=job)
+    assert done.wait(TIMEOUT) == [0, 0]
+    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
+    assert (f"job {job} keeps its newest version (2) in shared memory (no persistent tier is configured, so it is "
+            f"not on disk): a restart of the same job resumes from it. To free it: ftmem clean --job {job} "
+            f"--shm-dir {shm_dir}") in done.log(0)
+
+
+def test_a_finish_with_its_newest_version_on_disk_frees_memory(shm_dir, tmp_path):
+    job, persist = job_id(), tmp_path / "persist"
+    assert run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job).wait(TIMEOUT) == [0, 0]
+    assert jobs.list_jobs(shm_dir) == []
+    assert (persist / "newest").read_text() == "v3" and sorted(os.listdir(persist / "v3")) == ["rank0.pt", "rank1.pt"]
+
+
+def test_a_rank_killed_in_the_teardown_keeps_every_node_s_memory(shm_dir, tmp_path):
+    """Finding 5: freeing was decided per node, so nodes freed while rank 0, killed in its
+    teardown, still held its versions. Now the ranks agree first; rank 1 waits for rank 0
+    (bounded by FTMEM_FINISH_TIMEOUT_S), which is killed, and keeps its memory."""
+    job, persist = job_id(), tmp_path / "persist"
+    hook = {"FTMEM_TEST_HOOK": "finish:pause:rank=0:version=2", "FTMEM_TEST_HOOK_DIR": str(tmp_path)}
+    with run(shm_dir, tmp_path / "out", "--steps", "2", "--persist", str(persist), job=job,
+             env={"FTMEM_FINISH_TIMEOUT_S": "5"}, rank_env={0: hook}) as ending:
+        wait_until(lambda: os.path.exists(tmp_path / "paused.rank0.v2"), TIMEOUT, "rank 0 in its teardown")
+        ending.kill(0)
+        assert ending.procs[1].wait(TIMEOUT) == 0
+    assert "could not agree with the other ranks that the job finished" in ending.log(1)
+    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
+
+
+def test_an_unwritable_persist_dir_is_refused_at_the_start(shm_dir, tmp_path):
+    """Finding 8: every flush used to fail, logged only, and the job exited 0 with nothing on disk."""
+    (tmp_path / "a-file").write_text("")
+    job = job_id()
+    refused = run(shm_dir, tmp_path / "out", "--persist", str(tmp_path / "a-file" / "ckpt"), job=job)
+    assert refused.wait(TIMEOUT) == [1, 1]
+    assert "ConfigError: the persistent tier's directory" in refused.log(0) and "cannot hold checkpoints" \
+        in refused.log(0)
