@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ftmem import jobs
+from ftmem.cli import Parser, positive_int, shm_dir_arg
 from ftmem.codec import Codec
 from ftmem.engine import SnapshotEngine
 from ftmem.slots import DATA, PARITY
@@ -82,7 +83,6 @@ def protect_worker(argv=None) -> None:
         t0 = time.perf_counter()
         handle.wait_committed()
         protect_s.append(time.perf_counter() - t0)
-    engine.wait_sealed()
     store = engine.store
     data = store.read_commit(REPEAT).plan.nbytes
     held = sum(t.numel() * t.element_size() for t in unique + replicated)
@@ -135,12 +135,12 @@ def bench_ec(mb_per_node: int = 1024, piece_mb: int = PIECE_MB, shm_dir: str = "
 def main(argv=None) -> int:
     """``ftmem bench ec``. (Run as ``python -m benchmarks.bench_ec`` this module is one
     rank of the protect benchmark, started by :func:`protect_time`.)"""
-    parser = argparse.ArgumentParser(prog="ftmem bench ec",
-                                     description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--mb", type=int, default=None, help="state size in MiB per node (default 1024)")
-    parser.add_argument("--piece-mb", type=int, default=PIECE_MB,
+    parser = Parser(prog="ftmem bench ec", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--mb", type=positive_int, default=None, help="state size in MiB per node (default 1024)")
+    parser.add_argument("--piece-mb", type=positive_int, default=PIECE_MB,
                         help=f"MiB per piece in the throughput runs (default {PIECE_MB})")
-    parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")
+    parser.add_argument("--shm-dir", type=shm_dir_arg, default="/dev/shm",
+                        help="shared-memory directory (default /dev/shm)")
     args = parser.parse_args(argv)
     bench_ec(mb_per_node=args.mb or 1024, piece_mb=args.piece_mb, shm_dir=args.shm_dir)
     return 0

@@ -3,7 +3,6 @@
 measured in one run on the same state."""
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -12,6 +11,7 @@ import time
 import torch
 
 from ftmem import jobs
+from ftmem.cli import Parser, positive_int, shm_dir_arg
 from ftmem.engine import SnapshotEngine
 
 
@@ -52,9 +52,9 @@ def bench_save(total_mb: int = 500, repeat: int = 5, shm_dir: str = "/dev/shm") 
             engine.save(state, version).wait_reusable()
         save_s, reusable_s = [], []
         for version in range(2, 2 + repeat):
-            # In training the SMP checksums a version during the next forward/backward;
-            # here nothing else runs, so let it finish rather than compete with the copy.
-            engine.wait_sealed()
+            # In training the copy thread checksums and commits a version during the next
+            # forward/backward; here nothing else runs, so let it finish rather than compete.
+            engine.wait()
             t0 = time.perf_counter()
             handle = engine.save(state, version)
             t1 = time.perf_counter()
@@ -101,11 +101,11 @@ def bench_save(total_mb: int = 500, repeat: int = 5, shm_dir: str = "/dev/shm") 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ftmem bench save",
-                                     description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--mb", type=int, default=None, help="state size in MiB (default 500)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed saves (default 5)")
-    parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")
+    parser = Parser(prog="ftmem bench save", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--mb", type=positive_int, default=None, help="state size in MiB (default 500)")
+    parser.add_argument("--repeat", type=positive_int, default=5, help="timed saves (default 5)")
+    parser.add_argument("--shm-dir", type=shm_dir_arg, default="/dev/shm",
+                        help="shared-memory directory (default /dev/shm)")
     args = parser.parse_args(argv)
     bench_save(total_mb=args.mb or 500, repeat=args.repeat, shm_dir=args.shm_dir)
     return 0

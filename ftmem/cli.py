@@ -9,16 +9,70 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import textwrap
 from importlib.metadata import entry_points
 
-from . import jobs
-from .errors import FtmemError
+from . import jobs, survival
+from .config import SHM_DIR_ADVICE, shm_dir_problem
+from .errors import ConfigError, FtmemError
+from .identity import check_job_id
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``PROG: what is wrong``, and status 2
+    (the usage is a --help away). The tools that ``ftmem bench`` and ``ftmem demo`` run
+    parse their flags with it too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message.rstrip('.')} (see {self.prog} --help)\n")
+
+
+def _number(text: str, kind: type, what: str, ok) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+# Types of flags, for the parsers of the command and of its tools.
+def positive_int(text: str) -> int:
+    return _number(text, int, "a positive integer", lambda v: v >= 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _number(text, int, "an integer >= 0", lambda v: v >= 0)
+
+
+def positive_float(text: str) -> float:
+    return _number(text, float, "a positive number", lambda v: 0 < v < math.inf)
+
+
+def shm_dir_arg(text: str) -> str:
+    """A directory to keep jobs' shared memory in (for the commands that start jobs)."""
+    problem = shm_dir_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{problem}: {SHM_DIR_ADVICE}")
+    return text
+
+
+def job_id_arg(text: str) -> str:
+    try:
+        return check_job_id(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _cmd_status(args) -> int:
+    present = jobs.list_jobs(args.shm_dir)
+    if args.job and args.job not in present:
+        raise FtmemError(f"no job {args.job!r} in {args.shm_dir} (jobs there: {', '.join(present) or 'none'}). "
+                         f"Name the shared-memory directory it runs in with --shm-dir.")
     report = jobs.status(args.shm_dir, args.job)
     if args.json:
         print(json.dumps(report))
@@ -38,7 +92,7 @@ def _cmd_clean(args) -> int:
     if args.all:
         targets = jobs.list_jobs(args.shm_dir)
     else:
-        job = args.job or os.environ.get("FTMEM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+        job = args.job or os.environ.get("FTMEM_JOB_ID")
         if not job:
             present = ", ".join(jobs.list_jobs(args.shm_dir)) or "none"
             print(f"ftmem clean: name the job with --job J (or --all). Jobs in {args.shm_dir}: {present}",
@@ -54,7 +108,7 @@ def _cmd_clean(args) -> int:
 def _cmd_export(args) -> int:
     from .export import export
 
-    done = export(args.shm_dir, args.job, args.out, args.version)
+    done = export(args.shm_dir, args.job, args.out, args.version, force=args.force)
     print(f"job {args.job}: exported version {done.version} to {done.path}: {done.nbytes / 2**20:.1f} MiB written "
           f"in {done.seconds:.2f} s ({done.nbytes / max(done.seconds, 1e-9) / 1e9:.2f} GB/s)")
     return 0
@@ -68,6 +122,8 @@ BENCHES = {
                 "--ckpt-format torch",
     "deepspeed": "save_checkpoint and load_checkpoint of a DeepSpeed ZeRO-1 GPT (2 ranks) vs DeepSpeed's "
                  "default engine, and the iteration time with a save every step",
+    "soak": "a save every iteration for --iters iterations on 3 ranks and nodes: growth of RSS, threads, fds, "
+            "sockets and shared memory; the job's memory freed at the end",
 }
 
 
@@ -99,21 +155,18 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_survival(args) -> int:
-    from . import survival
-
     n, k, m = args.nodes, args.k, args.m
     if args.failures is not None:
         ec = survival.ec_survival(n, k, m, args.failures)
         rep = survival.replication_survival(n, m, args.failures)
-        mc_ec, mc_rep = survival.monte_carlo(n, k, m, args.failures, args.trials)
         if args.json:
             print(json.dumps({"nodes": n, "k": k, "m": m, "failures": args.failures, "ec": float(ec),
                               "replication": float(rep)}))
             return 0
-        rows = [(args.failures, ec, rep, mc_ec, mc_rep)]
+        rows = [(args.failures, ec, rep, *survival.monte_carlo(n, k, m, args.failures, args.trials))]
     else:
         rows = []
-        for f in range(min(n, 2 * (m + 1) + 2) + 1):
+        for f in range(min(n, 2 * (m + 1) + 2, survival.MAX_FAILURES) + 1):
             rows.append((f, survival.ec_survival(n, k, m, f), survival.replication_survival(n, m, f),
                          *survival.monte_carlo(n, k, m, f, args.trials)))
     print(f"{n} nodes; erasure coding k={k}, m={m} (memory overhead {survival.ec_overhead(n, k, m):.3f}x of the data) "
@@ -133,7 +186,7 @@ def _cmd_demo(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ftmem", description="In-memory fault tolerance for training jobs.")
+    parser = Parser(prog="ftmem", description="In-memory fault tolerance for training jobs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help: str, fn) -> argparse.ArgumentParser:
@@ -144,15 +197,17 @@ def main(argv=None) -> int:
 
     p = add("status", "what each node's SMP holds", _cmd_status)
     p.add_argument("--json", action="store_true", help="one JSON object (DESIGN.md §5)")
-    p.add_argument("--job", help="only this job")
+    p.add_argument("--job", type=job_id_arg, help="only this job")
     p = add("clean", "stop a job's SMPs and free its shared memory", _cmd_clean)
-    p.add_argument("--job", help="the job (default: FTMEM_JOB_ID or TORCHELASTIC_RUN_ID)")
+    p.add_argument("--job", type=job_id_arg, help="the job (default: FTMEM_JOB_ID)")
     p.add_argument("--all", action="store_true", help="every ftmem job in the shared-memory directory")
     p = add("export", "write a held version to disk in the framework's own checkpoint layout", _cmd_export)
-    p.add_argument("--job", required=True, help="the job (see ftmem status)")
+    p.add_argument("--job", type=job_id_arg, required=True, help="the job (see ftmem status)")
     p.add_argument("--version", type=int, help="the version (default: the newest every rank holds)")
     p.add_argument("--out", required=True, help="directory to write the checkpoint into (DeepSpeed: the tag's "
                                                  "directory and latest; Megatron: iter_XXXXXXX and its tracker)")
+    p.add_argument("--force", action="store_true", help="replace the checkpoint directory and the pointer file "
+                                                        "if --out already holds them (refused otherwise)")
     installed = _tools()
     benches = dict(BENCHES, **{name[len("bench-"):]: f"({ep.value})" for name, ep in installed.items()
                                if name.startswith("bench-") and name[len("bench-"):] not in BENCHES})
@@ -173,23 +228,33 @@ def main(argv=None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(fn=_cmd_demo)
     p = sub.add_parser("survival", help="probability that a version survives F random node failures, EC vs replication")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--k", type=int, required=True)
-    p.add_argument("--m", type=int, required=True)
-    p.add_argument("--failures", type=int, help="simultaneous node failures (default: a table over F)")
+    p.add_argument("--nodes", type=positive_int, required=True, help=f"at most {survival.MAX_NODES:,}")
+    p.add_argument("--k", type=positive_int, required=True)
+    p.add_argument("--m", type=non_negative_int, required=True)
+    p.add_argument("--failures", type=non_negative_int,
+                   help=f"simultaneous node failures, at most {survival.MAX_FAILURES} (default: a table over F)")
     p.add_argument("--json", action="store_true", help="one JSON object (needs --failures)")
-    p.add_argument("--trials", type=int, default=100_000, help="Monte Carlo trials for the cross-check")
-    p.add_argument("--node-mtbf-hours", type=float, default=10_000.0, help="mean time between failures of one node")
-    p.add_argument("--window-minutes", type=float, default=10.0, help="time to replace a node and re-protect")
+    p.add_argument("--trials", type=positive_int, default=100_000,
+                   help=f"Monte Carlo trials for the cross-check (trials x failures at most {survival.MAX_DRAWS:,})")
+    p.add_argument("--node-mtbf-hours", type=positive_float, default=10_000.0,
+                   help="mean time between failures of one node")
+    p.add_argument("--window-minutes", type=positive_float, default=10.0,
+                   help="time to replace a node and re-protect")
     p.set_defaults(fn=_cmd_survival)
 
     args = parser.parse_args(argv)
     if getattr(args, "json", False) and args.command == "survival" and args.failures is None:
         parser.error("survival --json needs --failures F")
+    command = f"{args.command} {args.what}" if args.command == "bench" else args.command
     try:
         return args.fn(args)
-    except FtmemError as e:
-        print(f"ftmem {args.command}: {e}", file=sys.stderr)
+    except FtmemError as e:  # what ftmem refuses, and why
+        print(f"ftmem {command}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the user gave that does not work (a tool's included)
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"ftmem {command}: {e.strerror or e}{where}: check the paths given and their permissions",
+              file=sys.stderr)
         return 2
 
 

@@ -1,25 +1,91 @@
 """The ftmem configuration: the ``"ftmem"`` section of a DeepSpeed JSON config, or
 the ``--ftmem-*`` Megatron flags, parsed into one validated object.
 
+Every key declares what it accepts in its field's metadata (an :class:`Allowed`), and
+one validator walks the fields, so each rejection names the key as the user wrote it
+(``"ftmem.persist.interval"``), the value given and what is allowed. JSON's types stay
+apart: ``true`` is not an integer, nor is ``2.5``, and ``null`` is accepted only where
+a key is optional. What the schema cannot say (keys that go together, paths that must
+exist) each section checks in its ``check``.
+
 Unknown keys are errors (a misspelt key that is silently ignored would run a job
 without the protection its user asked for).
 """
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from .errors import ConfigError
+from .identity import JOB_ID_RULE, is_job_id
 
 DP_SHARD_CHOICES = ("auto", "on", "off")
+_ALLOWED = "ftmem.allowed"  # the metadata key of a field's Allowed
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """What one config key accepts."""
+
+    kind: type  # bool, int, str, or the dataclass of a section
+    optional: bool = False  # null (None) is accepted
+    minimum: Optional[int] = None
+    choices: tuple = ()
+    rule: Optional[Callable[[Any], bool]] = None  # a further test, described by ``rule_text``
+    rule_text: str = ""
+
+    def describe(self) -> str:
+        if self.choices:
+            what = "one of " + ", ".join(json.dumps(c) for c in self.choices)
+        elif self.rule_text:
+            what = self.rule_text
+        elif self.kind is bool:
+            what = "true or false"
+        elif self.kind is int:
+            what = "an integer" + (f" >= {self.minimum}" if self.minimum is not None else "")
+        elif self.kind is str:
+            what = "a string"
+        else:
+            what = f"an object with the keys {', '.join(f.name for f in fields(self.kind))}"
+        return what + (" (or leave it out)" if self.optional else "")
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if self.kind is int and isinstance(value, bool):  # bool is an int subclass; JSON's true is not a number
+            return False
+        return (isinstance(value, self.kind)
+                and (self.minimum is None or value >= self.minimum)
+                and (not self.choices or value in self.choices)
+                and (self.rule is None or self.rule(value)))
+
+    def check(self, key: str, value: Any) -> None:
+        if not self.accepts(value):
+            raise ConfigError(f'"{key}" must be {self.describe()}, got {_shown(value)}.')
+
+
+def _key(default: Any = None, **allowed: Any) -> Any:
+    """A config key: its default and what it accepts (see :class:`Allowed`)."""
+    if isinstance(default, type):  # a section: its defaults
+        return field(default_factory=default, metadata={_ALLOWED: Allowed(default, **allowed)})
+    return field(default=default, metadata={_ALLOWED: Allowed(**allowed)})
+
+
+def _shown(value: Any) -> str:
+    """A value as the user wrote it: JSON where it is JSON."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _reject_unknown(section: str, given: Mapping[str, Any], known: list[str]) -> None:
     for key in given:
         if key not in known:
-            hint = difflib.get_close_matches(key, known, n=1)
+            hint = difflib.get_close_matches(str(key), known, n=1)
             did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
             raise ConfigError(
                 f"unknown key {key!r} in the {section} config.{did_you_mean} "
@@ -27,30 +93,54 @@ def _reject_unknown(section: str, given: Mapping[str, Any], known: list[str]) ->
             )
 
 
+class _Section:
+    """A section of the config: a frozen dataclass whose fields are made by :func:`_key`."""
+
+    KEY: ClassVar[str]  # the section's name in the user's config
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            f.metadata[_ALLOWED].check(f"{self.KEY}.{f.name}", getattr(self, f.name))
+        self.check()
+
+    def check(self) -> None:
+        """What the keys' schema cannot say: how they go together, what the paths hold."""
+
+    @classmethod
+    def parse(cls, given: Optional[Mapping[str, Any]]):
+        """The section from the user's mapping; ``None`` gives the defaults."""
+        if given is None:
+            return cls()
+        if not isinstance(given, Mapping):
+            raise ConfigError(f'"{cls.KEY}" must be an object with the keys {", ".join(f.name for f in fields(cls))}, '
+                              f"got {_shown(given)}.")
+        _reject_unknown(f'"{cls.KEY}"', given, [f.name for f in fields(cls)])
+        values = {}
+        for f in fields(cls):
+            if f.name in given:
+                kind = f.metadata[_ALLOWED].kind
+                values[f.name] = kind.parse(given[f.name]) if issubclass(kind, _Section) else given[f.name]
+        return cls(**values)
+
+
 @dataclass(frozen=True)
-class ECConfig:
+class ECConfig(_Section):
     """Erasure coding across nodes: groups of ``k`` data and ``m`` parity nodes.
 
     Leave both unset for defaults that fit the node count (see :meth:`resolve`).
     """
 
-    k: Optional[int] = None
-    m: Optional[int] = None
+    KEY: ClassVar[str] = "ftmem.ec"
 
-    def __post_init__(self) -> None:
+    k: Optional[int] = _key(kind=int, optional=True, minimum=1)
+    m: Optional[int] = _key(kind=int, optional=True, minimum=0)
+
+    def check(self) -> None:
         if (self.k is None) != (self.m is None):
             raise ConfigError(
                 f'"ftmem.ec" needs both "k" and "m" (got k={self.k}, m={self.m}), or neither for '
                 f"defaults that fit the node count."
             )
-        if self.k is None:
-            return
-        for name in ("k", "m"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f'"ftmem.ec.{name}" must be a non-negative integer, got {value!r}.')
-        if self.k < 1:
-            raise ConfigError(f'"ftmem.ec.k" must be at least 1, got {self.k}.')
         if self.m == 0 and self.k > 1:
             raise ConfigError(
                 f'"ftmem.ec" k={self.k}, m=0 asks for erasure coding without parity, which protects '
@@ -72,62 +162,63 @@ class ECConfig:
 
 
 @dataclass(frozen=True)
-class PersistConfig:
+class PersistConfig(_Section):
     """Background flushes of protected versions to disk."""
 
-    dir: Optional[str] = None
-    interval: int = 0
-    keep: int = 2
+    KEY: ClassVar[str] = "ftmem.persist"
 
-    def __post_init__(self) -> None:
-        if self.interval < 0 or self.keep < 1:
-            raise ConfigError(
-                f'"ftmem.persist": interval must be >= 0 and keep >= 1, got interval={self.interval}, keep={self.keep}.'
-            )
+    dir: Optional[str] = _key(kind=str, optional=True)
+    interval: int = _key(0, kind=int, minimum=0)
+    keep: int = _key(2, kind=int, minimum=1)
+
+    def check(self) -> None:
         if bool(self.dir) != (self.interval > 0):
             raise ConfigError(
                 f'"ftmem.persist" needs both "dir" and "interval" >= 1 (got dir={self.dir!r}, '
                 f"interval={self.interval}): every interval-th protected version is flushed to dir."
             )
+        # Whether the directory takes files is checked at the job's start
+        # (ftmem.persist.check_writable, which may create it); a file in its place is wrong now.
+        if self.dir and os.path.exists(self.dir) and not os.path.isdir(self.dir):
+            raise ConfigError(f'"ftmem.persist.dir" {self.dir!r} is a file, not a directory: point it at a '
+                              f"directory (it is created if missing) to flush checkpoints into.")
+
+
+def shm_dir_problem(path: str) -> Optional[str]:
+    """Why ``path`` cannot hold the jobs' shared memory, or None if it can."""
+    if not os.path.isdir(path):
+        return f"{path!r} is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path!r} is not writable by this user"
+    return None
+
+
+SHM_DIR_ADVICE = "point it at a tmpfs (usually /dev/shm) that exists on every node and this user can write"
 
 
 @dataclass(frozen=True)
-class FtmemConfig:
+class FtmemConfig(_Section):
     """Validated ftmem settings. Build it with :meth:`from_dict` from user input."""
 
-    ec: ECConfig = field(default_factory=ECConfig)
+    KEY: ClassVar[str] = "ftmem"
+
+    ec: ECConfig = _key(ECConfig)
     # Ranks per (virtual) node; None means the launcher's LOCAL_WORLD_SIZE.
-    ranks_per_node: Optional[int] = None
-    shm_dir: str = "/dev/shm"
-    dp_shard: str = "auto"
-    persist: PersistConfig = field(default_factory=PersistConfig)
-    job_id: Optional[str] = None
+    ranks_per_node: Optional[int] = _key(kind=int, optional=True, minimum=1)
+    shm_dir: str = _key("/dev/shm", kind=str)
+    dp_shard: str = _key("auto", kind=str, choices=DP_SHARD_CHOICES)
+    persist: PersistConfig = _key(PersistConfig)
+    job_id: Optional[str] = _key(kind=str, optional=True, rule=is_job_id, rule_text=JOB_ID_RULE)
     # Memory holds a version of another layout, model or args: load the disk checkpoint
     # instead of stopping (AdapterRuntime.restore).
-    allow_disk_fallback: bool = False
+    allow_disk_fallback: bool = _key(False, kind=bool)
 
-    def __post_init__(self) -> None:
-        if self.ranks_per_node is not None and (
-            not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1
-        ):
-            raise ConfigError(f'"ftmem.ranks_per_node" must be a positive integer, got {self.ranks_per_node!r}.')
-        if not isinstance(self.allow_disk_fallback, bool):
-            raise ConfigError(f'"ftmem.allow_disk_fallback" must be true or false, got {self.allow_disk_fallback!r}.')
-        if self.dp_shard not in DP_SHARD_CHOICES:
-            raise ConfigError(f'"ftmem.dp_shard" must be one of {DP_SHARD_CHOICES}, got {self.dp_shard!r}.')
-        if not os.path.isdir(self.shm_dir):
-            raise ConfigError(
-                f'"ftmem.shm_dir" {self.shm_dir!r} is not a directory. Point it at a tmpfs '
-                f"(usually /dev/shm) that exists on every node."
-            )
+    def check(self) -> None:
+        problem = shm_dir_problem(self.shm_dir)
+        if problem:
+            raise ConfigError(f'"ftmem.shm_dir" {problem}: {SHM_DIR_ADVICE}.')
 
     @classmethod
     def from_dict(cls, section: Optional[Mapping[str, Any]]) -> "FtmemConfig":
         """Parse the ``"ftmem"`` section of a user config; ``None`` gives the defaults."""
-        section = dict(section or {})
-        _reject_unknown('"ftmem"', section, [f.name for f in fields(cls)])
-        ec = section.pop("ec", None) or {}
-        persist = section.pop("persist", None) or {}
-        _reject_unknown('"ftmem.ec"', ec, [f.name for f in fields(ECConfig)])
-        _reject_unknown('"ftmem.persist"', persist, [f.name for f in fields(PersistConfig)])
-        return cls(ec=ECConfig(**ec), persist=PersistConfig(**persist), **section)
+        return cls.parse(section)

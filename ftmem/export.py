@@ -13,7 +13,9 @@ node's ranks are rebuilt from parity by a restarted job, not by export.
 The layout on disk is the framework's: every version names its
 :class:`~ftmem.format.FrameworkFormat` in its commit record, whose ``write_group`` writes
 one DP group's files and whose ``publish`` points the framework at the result. The directory is written under a temporary name and renamed when complete, as the
-persistent tier's flushes are (:func:`ftmem.persist.publish`).
+persistent tier's flushes are (:func:`ftmem.persist.publish`). Unless forced, export
+refuses, before it reads the version's data or writes anything, an output directory that
+already holds the checkpoint directory or a pointer file it would replace.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import contextlib
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, TextIO
@@ -117,19 +120,26 @@ class _HeldJob:
 
 
 def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
-           progress_to: TextIO = sys.stderr) -> Exported:
+           progress_to: TextIO = sys.stderr, force: bool = False) -> Exported:
     """Write ``version`` of ``job`` (default: the newest every rank holds) into ``out``
-    in the framework's layout; returns where, what and how fast."""
+    in the framework's layout; returns where, what and how fast. ``force``: replace the
+    checkpoint directory and pointer files ``out`` already holds (refused otherwise)."""
     held = _HeldJob(shm_dir, job)
     version, first = held.choose(version)
     writer = _format_of(first)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FtmemError(f"--out {out!r} is a file: name a directory to write the checkpoint into (it is created if "
+                         f"missing).")
+    if not force:
+        _refuse_to_replace(out, writer.checkpoint_name(version, join_state(first.skeleton, _NoTensors())), writer,
+                           version)
     records: dict[int, CommitRecord] = {}
     for rank, store in held.stores.items():
         try:
             records[rank] = integrity.verify(store, version)
         except CorruptShard as e:
             raise FtmemError(f"job {job} version {version} cannot be exported: {e} Export an older version "
-                             f"(--version), or try again once the SMPs have sealed it.") from e
+                             f"(--version), or restart the job to rebuild it from parity.") from e
     progress = Progress(sum(r.plan.nbytes for r in records.values()), progress_to)
 
     def read_state(rank: int) -> Any:
@@ -154,10 +164,13 @@ def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
         progress.add(read=record.plan.nbytes)
         return join_state(record.skeleton, tensors)
 
-    os.makedirs(out, exist_ok=True)
     staging = f".export-v{version}.tmp"
     shutil.rmtree(os.path.join(out, staging), ignore_errors=True)  # an export that was interrupted
-    os.makedirs(os.path.join(out, staging))
+    try:
+        os.makedirs(os.path.join(out, staging))  # and out, if missing
+    except OSError as e:
+        raise FtmemError(f"cannot write into --out {out!r} ({e.strerror or e}): name a directory this user can "
+                         f"write (it is created if missing).") from e
     started = time.monotonic()
     try:
         names = {writer.write_group(group, read_state, os.path.join(out, staging), lambda n: progress.add(written=n))
@@ -167,6 +180,30 @@ def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
     name, = names
     publish(out, staging, name, version, writer.publish, keep=None)
     return Exported(os.path.join(out, name), version, progress.written, time.monotonic() - started)
+
+
+class _NoTensors:
+    """Stands in for a version's tensors where only its other values are read (its
+    checkpoint name, from the skeleton alone)."""
+
+    def __getitem__(self, index: int) -> None:
+        return None
+
+
+def _refuse_to_replace(out: str, name: str, writer: FrameworkFormat, version: int) -> None:
+    """Refuse to export into ``out`` if it holds the checkpoint directory ``name`` or a
+    pointer file that publishing would replace. Which files are pointers only the format
+    knows (DeepSpeed's ``latest``, Megatron's tracker file): they are found by
+    publishing into an empty scratch directory."""
+    if not os.path.isdir(out):
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        writer.publish(scratch, name)
+        written = {name, *os.listdir(scratch)}
+    clash = sorted(written & set(os.listdir(out)))
+    if clash:
+        raise FtmemError(f"--out {out!r} already holds {', '.join(clash)}, which exporting version {version} would "
+                         f"replace. Name another directory, or pass --force to replace them.")
 
 
 def _format_of(record: CommitRecord) -> FrameworkFormat:

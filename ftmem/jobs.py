@@ -12,21 +12,23 @@ import signal
 import time
 from typing import Optional
 
-from .identity import ROOT_NAME
+from .identity import ROOT_NAME, is_job_id, job_root
 from .procs import pid_alive
 from .slots import RankStore, ranks_in
-from .smp_client import NODE_FILE, running_smp
-
-SMP_STOP_TIMEOUT_S = 5.0
+from .smp_client import NODE_FILE, running_smp, stop_smp
 
 
 def list_jobs(shm_dir: str) -> list[str]:
+    """The jobs in ``shm_dir``: directories of ``<shm_dir>/ftmem`` named by a valid job id
+    (anything else there, a symbolic link included, is no job's: neither shown nor cleaned)."""
     root = os.path.join(shm_dir, ROOT_NAME)
-    return sorted(os.listdir(root)) if os.path.isdir(root) else []
+    paths = {name: os.path.join(root, name) for name in (os.listdir(root) if os.path.isdir(root) else [])}
+    return sorted(name for name, path in paths.items()
+                  if is_job_id(name) and os.path.isdir(path) and not os.path.islink(path))
 
 
 def node_dirs(shm_dir: str, job: str) -> list[tuple[int, str]]:
-    job_dir = os.path.join(shm_dir, ROOT_NAME, job)
+    job_dir = job_root(shm_dir, job)  # refuses an id that is no job's directory
     nodes = []
     for name in os.listdir(job_dir) if os.path.isdir(job_dir) else []:
         if name.startswith("node") and name[4:].isdigit():
@@ -63,18 +65,6 @@ def status(shm_dir: str, job: Optional[str] = None) -> dict:
     return {"jobs": [{"job": j, "nodes": [node_status(n, p) for n, p in node_dirs(shm_dir, j)]} for j in jobs]}
 
 
-def _stop(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + SMP_STOP_TIMEOUT_S
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def lose_node(shm_dir: str, job: str, node: int) -> None:
     """Do to a node's snapshots what losing the node does (DESIGN.md §5): SIGKILL its
     SMP and delete its shared memory. For failure drills and tests; the node's
@@ -92,16 +82,17 @@ def lose_node(shm_dir: str, job: str, node: int) -> None:
 
 
 def clean(shm_dir: str, job: str) -> list[str]:
-    """Stop the job's SMPs and delete its shared memory; returns the paths freed."""
+    """Stop the job's SMPs and delete its shared memory; returns the paths freed. Ranks of
+    the job still running stop at their next save with SharedMemoryRemoved."""
     freed = []
     for _, path in node_dirs(shm_dir, job):
         pid = running_smp(path)
         if pid is not None:
-            _stop(pid)
+            stop_smp(pid)
         shutil.rmtree(path, ignore_errors=True)
         freed.append(path)
     try:
-        os.rmdir(os.path.join(shm_dir, ROOT_NAME, job))
+        os.rmdir(job_root(shm_dir, job))
     except OSError:
         pass
     return freed

@@ -39,8 +39,8 @@ def add_ftmem_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--ftmem-dp-shard", choices=DP_SHARD_CHOICES, default=None,
                        help="keep state that is identical on data-parallel replicas once across them (default: auto)")
     group.add_argument("--ftmem-job-id", default=None,
-                       help="job identity a restart finds its snapshots by (default: FTMEM_JOB_ID, "
-                            "TORCHELASTIC_RUN_ID, or derived from MASTER_ADDR/PORT and the world size)")
+                       help="job identity a restart finds its snapshots by (default: FTMEM_JOB_ID, else derived "
+                            "from the --save directory and the world layout)")
     group.add_argument("--ftmem-allow-disk-fallback", action="store_true",
                        help="when memory holds a version this job cannot use (another parallel layout or model), "
                             "load the persistent checkpoint from --load instead of stopping with the reason")
@@ -93,7 +93,14 @@ def validate_ftmem_args(args) -> FtmemConfig:
         if "." not in key and getattr(args, dest) is not None:
             section[key] = getattr(args, dest)
     section["allow_disk_fallback"] = bool(getattr(args, "ftmem_allow_disk_fallback", False))
-    config = FtmemConfig.from_dict(section)
+    try:
+        config = FtmemConfig.from_dict(section)  # the config's schema checks every value
+    except ConfigError as e:
+        # Its messages name the config keys ("ftmem.ec.k"); name the flags the user wrote.
+        message = str(e)
+        for flag, _, key in FTMEM_FLAGS:
+            message = message.replace(f'"ftmem.{key}"', flag)
+        raise ConfigError(message) from None
     rpn = config.ranks_per_node
     if rpn is not None and world_size % rpn:
         raise ConfigError(f"--ftmem-ranks-per-node {rpn} does not divide the world size {world_size}: every node "

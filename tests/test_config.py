@@ -47,20 +47,22 @@ def test_bad_values_say_what_is_wrong(section, fragment):
 def test_job_identity_precedence(monkeypatch):
     for var in ("FTMEM_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
+    derived = resolve_job_id(None, 8, 1, "save dir /ckpt/a")
+    assert derived == resolve_job_id(None, 8, 1, "save dir /ckpt/a")  # a relaunch of the same job finds it
+    assert derived != resolve_job_id(None, 16, 1, "save dir /ckpt/a") != resolve_job_id(None, 8, 2, "save dir /ckpt/a")
+    assert derived != resolve_job_id(None, 8, 1, "save dir /ckpt/b")  # an unrelated job does not
+    # What launchers set does not count: torchrun draws a new run id at every launch, and
+    # unrelated jobs share the master's address and port.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4f1c")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    derived = resolve_job_id(None, 8)
-    assert derived == resolve_job_id(None, 8) != resolve_job_id(None, 16)  # stable, world-size dependent
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's placeholder is no identity
-    assert resolve_job_id(None, 8) == derived
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic7")
-    assert resolve_job_id(None, 8) == "elastic7"
-    assert resolve_job_id("from-config", 8) == "from-config"
+    assert resolve_job_id(None, 8, 1, "save dir /ckpt/a") == derived
+    assert resolve_job_id("from-config", 8, 1, "save dir /ckpt/a") == "from-config"
     monkeypatch.setenv("FTMEM_JOB_ID", "from-env")
-    assert resolve_job_id("from-config", 8) == "from-env"
+    assert resolve_job_id("from-config", 8, 1, "save dir /ckpt/a") == "from-env"
     monkeypatch.setenv("FTMEM_JOB_ID", "bad/name")
     with pytest.raises(ConfigError, match="not usable as a directory name"):
-        resolve_job_id(None, 8)
+        resolve_job_id(None, 8, 1, "x")
 
 
 def test_virtual_nodes(monkeypatch):

@@ -92,12 +92,15 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, 
                       job.log(rank))
         assert f"rank {rank}: resuming at step {STOP + 1} (client_state)" in job.log(rank)
     assert_same_training(job.out, ref, world, ITERS)
-    assert jobs.list_jobs(shm_dir) == []
+    # No persistent tier: the finished job's newest version stays in memory, and it says so.
+    assert f"keeps its newest version ({ITERS}) in shared memory" in job.log(0)
+    assert all(n["versions"][-1] == ITERS for n in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"])
 
 
 @pytest.mark.parametrize("ftmem, message", [
     ({"ranks_per_nod": 1}, "unknown key 'ranks_per_nod' in the \"ftmem\" config. Did you mean 'ranks_per_node'?"),
     ({"ec": {"k": 3, "m": 1}}, "needs groups of 4 nodes, but the job has 3 node(s)"),
+    ({"persist": {"dir": "ckpt", "interval": "3"}}, '"ftmem.persist.interval" must be an integer >= 0, got "3".'),
 ])
 def test_bad_ftmem_section_fails_at_initialize_with_the_reason(ftmem, message, shm_dir, tmp_path):
     job = DSJob("zero1.json", 3, shm_dir, str(tmp_path), ftmem=ftmem)
@@ -151,7 +154,7 @@ def test_runs_under_the_deepspeed_launcher(shm_dir, tmp_path):
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert out.stdout.count("checkpoint engine FtmemCheckpointEngine") == 2
     assert_same_training(job.out, ref, 2, ITERS)
-    assert jobs.list_jobs(shm_dir) == []
+    assert f"keeps its newest version ({ITERS}) in shared memory" in out.stdout + out.stderr
 
 
 def test_resumes_from_checkpoints_of_the_default_engine(shm_dir, tmp_path):

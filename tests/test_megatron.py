@@ -193,6 +193,9 @@ def test_losing_more_than_m_nodes_resumes_from_the_checkpoint_written_from_memor
     assert out.returncode == 0 and f"exported version 5 to {exported}/iter_0000005" in out.stdout, out.stderr
     assert "] 100%  read " in out.stderr  # the progress bar's last line
     assert sorted(os.listdir(exported)) == ["ftmem_flushed.json", "iter_0000005", "latest_checkpointed_iteration.txt"]
+    again = run_cli("export", "--job", job.job, "--shm-dir", shm_dir, "--out", exported)  # not without --force
+    assert again.returncode == 2 and f"--out '{exported}' already holds iter_0000005, " \
+        f"latest_checkpointed_iteration.txt, which exporting version 5 would replace." in again.stderr, again.stderr
 
     for node in (1, 2):
         jobs.lose_node(shm_dir, job.job, node)

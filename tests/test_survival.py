@@ -1,3 +1,4 @@
+import itertools
 import json
 import math
 from fractions import Fraction
@@ -7,7 +8,8 @@ import pytest
 from conftest import run_cli
 from ftmem.errors import ConfigError
 from ftmem.placement import ec_groups
-from ftmem.survival import ec_overhead, ec_survival, mc_tolerance, monte_carlo, replication_survival
+from ftmem.survival import (MAX_DRAWS, MAX_FAILURES, _ring_survivable, ec_overhead, ec_survival, loss_per_day,
+                            mc_tolerance, monte_carlo, replication_groups, replication_survival)
 
 
 def test_groups_never_put_two_members_on_one_node_and_absorb_leftovers():
@@ -57,7 +59,38 @@ def test_mixed_placement_ring_group():
     assert replication_survival(5, 1, 2) == 1 - Fraction(lost_sets, math.comb(5, 2))
 
 
-@pytest.mark.parametrize("nodes, k, m, f", [(9, 2, 1, 2), (12, 4, 2, 3), (7, 2, 1, 3), (10, 3, 2, 4)])
+@pytest.mark.parametrize("size, copies", [(3, 2), (5, 3), (7, 4), (9, 5)])
+def test_ring_counts_match_enumerating_every_failure_set(size, copies):
+    lost_never = [sum(1 for down in itertools.combinations(range(size), j)
+                      if not any(all((i + d) % size in down for d in range(copies)) for i in range(size)))
+                  for j in range(size + 1)]
+    assert _ring_survivable(size, copies, size) == lost_never
+    assert _ring_survivable(size, copies, 2) == lost_never[:3]  # only what is asked for
+
+
+def test_loss_per_day_is_the_poisson_sum_over_every_failure_count():
+    nodes, k, m, mtbf, window = 9, 2, 1, 50.0, 30.0
+    lam, windows = nodes * window / 60 / mtbf, 24 * 60 / window
+    for got, survive in zip(loss_per_day(nodes, k, m, mtbf, window),
+                            (lambda f: ec_survival(nodes, k, m, f), lambda f: replication_survival(nodes, m, f))):
+        lost = sum(math.exp(-lam) * lam**f / math.factorial(f) * float(1 - survive(f)) for f in range(nodes + 1))
+        assert got == pytest.approx(1 - (1 - lost) ** windows, rel=1e-6)
+
+
+def test_large_jobs_are_counted_fast_and_bounds_are_refused_with_the_reason():
+    # 1 - P(survive) for F=2: the pairs inside one group among all pairs.
+    assert ec_survival(999_999, 2, 1, 2) == 1 - Fraction(333_333 * 3, math.comb(999_999, 2))
+    assert replication_groups(1_000_000, 1) == [(2, False)] * 500_000
+    with pytest.raises(ConfigError, match=f"at most {MAX_FAILURES} simultaneous failures"):
+        ec_survival(1000, 2, 1, MAX_FAILURES + 1)
+    with pytest.raises(ConfigError, match="Lower --trials"):
+        monte_carlo(1000, 2, 1, 10, MAX_DRAWS // 10 + 1)
+    with pytest.raises(ConfigError, match="beyond what this planner counts exactly"):
+        loss_per_day(100_000, 2, 1, 1.0, 60.0)  # 100,000 failures expected per window
+
+
+@pytest.mark.parametrize("nodes, k, m, f", [(9, 2, 1, 2), (12, 4, 2, 3), (7, 2, 1, 3), (10, 3, 2, 4),
+                                            (11, 2, 2, 8)])  # most nodes fail: the survivors are drawn
 def test_monte_carlo_agrees_within_sampling_error(nodes, k, m, f):
     trials = 100_000
     mc_ec, mc_rep = monte_carlo(nodes, k, m, f, trials, seed=1)

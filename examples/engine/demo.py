@@ -4,7 +4,6 @@ restarts, rebuilds the lost node's state from parity, and finishes bitwise ident
 to a run that never failed and never used ftmem."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -13,6 +12,7 @@ import tempfile
 import torch
 
 from ftmem import jobs
+from ftmem.cli import Parser, shm_dir_arg
 
 from examples.launch import LocalJob
 
@@ -90,8 +90,9 @@ def run_demo(iters: int = 12, kill_after: int = 7, shm_dir: str = "/dev/shm") ->
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ftmem demo", description=__doc__.replace("\n", " "))
-    parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")
+    parser = Parser(prog="ftmem demo", description=__doc__.replace("\n", " "))
+    parser.add_argument("--shm-dir", type=shm_dir_arg, default="/dev/shm",
+                        help="shared-memory directory (default /dev/shm)")
     args = parser.parse_args(argv)
     return 0 if run_demo(shm_dir=args.shm_dir) else 1
 
