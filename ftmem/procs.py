@@ -5,34 +5,31 @@ from __future__ import annotations
 from typing import Optional
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    # The state letter follows the parenthesised command name.
-    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
-
-
-def process_start(pid: int) -> Optional[int]:
-    """When the process started (clock ticks since boot): with the pid, it names one process."""
+def _stat_fields(pid: int) -> Optional[list[bytes]]:
+    """The fields of /proc/<pid>/stat after the parenthesised command name (which may hold
+    spaces): the state letter first; None if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    return stat[stat.rindex(b")") + 2 :].split()
 
 
 def process_state(pid: int) -> Optional[str]:
     """The state letter /proc shows for a process (R, S, D, T stopped, Z ...); None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3].decode()
+    fields = _stat_fields(pid)
+    return fields[0].decode() if fields else None
+
+
+def pid_alive(pid: int) -> bool:
+    return process_state(pid) not in (None, "Z", "X")
+
+
+def process_start(pid: int) -> Optional[int]:
+    """When the process started (clock ticks since boot): with the pid, it names one process."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
 
 
 def cmdline(pid: int) -> list[str]:
