@@ -334,8 +334,10 @@ class SmpClient:
         until the SMP has freed the node's memory and exited."""
         if self.removed_error() is not None:
             return  # `ftmem clean` has freed the node already
-        pid = running_smp(self.node_dir)
         _, last = self.request("finished", rank)
+        # The SMP that answered, not the one running before: if that one was killed, the
+        # request started a new one, and it is the new one that frees the memory.
+        pid = self._pid
         deadline = time.monotonic() + SMP_START_TIMEOUT_S
         while last and pid is not None and pid_alive(pid) and time.monotonic() < deadline:
             _reap()
