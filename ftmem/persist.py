@@ -175,6 +175,8 @@ def publish(root: str, staging: str, name: str, version: int, point_at: Callable
     point_at(root, name)
     done = [c for c in flushed(root) if c["name"] != name] + [{"name": name, "version": version}]
     retired, kept = (done[:-keep], done[-keep:]) if keep else ([], done)
+    # The manifest first: a kill in between must leave it naming directories that exist
+    # (a restart that memory cannot serve loads its newest entry), at worst a stale one on disk.
+    write_atomically(os.path.join(root, MANIFEST), json.dumps(kept).encode())
     for old in retired:
         shutil.rmtree(os.path.join(root, old["name"]), ignore_errors=True)
-    write_atomically(os.path.join(root, MANIFEST), json.dumps(kept).encode())
