@@ -122,6 +122,7 @@ def test_restore_under_another_layout_is_refused_unless_disk_fallback_is_allowed
     # The same job (identity) restarted as DP=2, loading the DP=2 checkpoint.
     back = MegatronJob(2, [], mirror, shm_dir, str(tmp_path / "back"))
     back.job = tp2.job
+    back.args[back.args.index("--save") + 1] = os.path.join(str(tmp_path / "tp2"), "ckpt")  # the same job: its origin
     back.args[back.args.index("--load") + 1] = os.path.join(str(tmp_path / "dp2"), "ckpt")
     codes = back.start().wait(TIMEOUT)
     assert codes == [1, 1]
