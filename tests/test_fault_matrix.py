@@ -26,7 +26,8 @@ Cells run here (kill point x victim, lost nodes):
 * after commit x all ranks
 * mid-exchange x one rank; x all ranks with 0, 1 and 2 (= m+1) nodes lost
 * mid-restore x all ranks; x one rank; mid-rebuild x the rank being rebuilt
-* mid-flush x all ranks (tests/lifecycle_job.py: the toy trainer has no persistent tier)
+* mid-flush x all ranks (tests/lifecycle_job.py: the toy trainer has no persistent tier);
+  mid-publish (rank 0 killed writing the flush manifest or retiring an old checkpoint)
 
 The other cells are run elsewhere (tests/test_crash_recovery.py, tests/test_node_loss.py,
 tests/test_integrity.py, tests/test_engine.py, tests/test_deepspeed.py, ...); README.md
@@ -35,6 +36,8 @@ tests/test_integrity.py, tests/test_engine.py, tests/test_deepspeed.py, ...); RE
 import os
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -43,6 +46,7 @@ import torch
 from conftest import job_id, logged
 from examples.launch import LocalJob, wait_until
 from ftmem import SnapshotEngine, jobs, restored_from_memory
+from ftmem.persist import flushed
 from ftmem.procs import pid_alive
 from ftmem.smp_client import running_smp
 from trainjob import TIMEOUT, TrainJob, assert_same_training, reference_run
@@ -286,3 +290,37 @@ def test_all_ranks_killed_mid_flush(shm_dir, tmp_path, hooks):
     for rank in range(2):
         assert logged(restored_from_memory(2, rank), again.log(rank))
     assert (persist / "newest").read_text() == "v3" and jobs.list_jobs(shm_dir) == []
+
+
+@pytest.mark.parametrize("at", ["manifest", "retire"])
+def test_a_kill_while_publishing_leaves_the_newest_recorded_checkpoint_on_disk(at, tmp_path):
+    """keep=1: rank 0 publishes version 4 and retires version 2, and is SIGKILLed at the
+    manifest's write or at the retirement. A restart that memory cannot serve loads the
+    manifest's newest entry, which must exist (a manifest still naming a retired,
+    deleted checkpoint made every such restart fail: FileNotFoundError, a crash loop)."""
+    root = str(tmp_path)
+    child = textwrap.dedent(f"""
+        import os, shutil, signal
+        from ftmem import persist
+        def point_at(root, name):
+            with open(os.path.join(root, "latest"), "w") as f:
+                f.write(name)
+        def killed(real, hit):
+            def call(path, *args, **kwargs):
+                if hit(path):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(path, *args, **kwargs)
+            return call
+        for version in (2, 4):
+            os.makedirs(os.path.join({root!r}, f".global_step{{version}}.tmp"))
+            if version == 4 and {at!r} == "manifest":
+                persist.write_atomically = killed(persist.write_atomically, lambda p: p.endswith(persist.MANIFEST))
+            if version == 4 and {at!r} == "retire":
+                persist.shutil.rmtree = killed(shutil.rmtree, lambda p: p.endswith("global_step2"))
+            persist.publish({root!r}, f".global_step{{version}}.tmp", f"global_step{{version}}", version, point_at,
+                            keep=1)
+    """)
+    assert subprocess.run([sys.executable, "-c", child], timeout=TIMEOUT).returncode == -signal.SIGKILL
+    newest = flushed(root)[-1]
+    assert os.path.isdir(os.path.join(root, newest["name"])), (newest, os.listdir(root))
+    assert newest["version"] == {"manifest": 2, "retire": 4}[at]

@@ -90,6 +90,11 @@ def main(argv=None) -> None:
         restored = engine.restore() if engine is not None else None
     except NotRecoverableFromMemory as e:
         print(f"ftmem: {e}", flush=True)
+        # Every rank refuses at this same point, so all can close together. Exiting with a
+        # live gloo group aborted a rank now and then ("terminate called without an active
+        # exception") instead of exiting 3.
+        engine.close(job_finished=False)
+        dist.destroy_process_group()
         sys.exit(3)
     if restored is not None:
         model.load_state_dict(restored.state["model"])
