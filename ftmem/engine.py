@@ -125,7 +125,9 @@ class SnapshotEngine:
                                     lambda record, slot_bytes: self._restorer.read_version(record, slot_bytes,
                                                                                            torch.device("cpu")))
         self._inflight: Optional[SaveHandle] = None
-        self.protected: Optional[int] = None  # the newest version this engine saved and saw protected
+        # The newest version this engine saved and saw protected (or that the adapter resumed
+        # from, until it saves again: AdapterRuntime.resumed_from_memory).
+        self.protected: Optional[int] = None
         self._closed = False
 
     @property

@@ -166,6 +166,9 @@ class AdapterRuntime:
     def resumed_from_memory(self, restored: Restored, detail: str = "") -> None:
         """The adapter loaded ``restored`` into the framework: put back the RNG and say so."""
         self.format.restore_rng(restored.state["rng"])
+        # The job's newest version until it saves again: a job that ends without saving (a
+        # relaunch at its last iteration) must keep it in memory or flush it, never free it.
+        self.engine.protected = restored.version
         announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
 
     def resumed_from_disk(self, iteration: int, directory: str, reason: Optional[str]) -> None:

@@ -50,6 +50,27 @@ def test_a_finish_without_a_persistent_tier_keeps_memory_and_says_how_to_free_it
             f"--shm-dir {shm_dir}") in done.log(0)
 
 
+def test_a_relaunch_that_resumes_at_its_last_step_keeps_what_it_resumed_from(shm_dir, tmp_path):
+    """A job that ended without a tier relaunched as it was: it restores version 2, has
+    no step left to train (so it saves nothing) and ends; its only copy of 2 must stay."""
+    job = job_id()
+    assert run(shm_dir, tmp_path, "--steps", "2", job=job).wait(TIMEOUT) == [0, 0]
+    again = run(shm_dir, tmp_path, "--steps", "2", job=job)
+    assert again.wait(TIMEOUT) == [0, 0], again.log(0)
+    assert logged(restored_from_memory(2, 0), again.log(0))
+    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
+    assert f"job {job} keeps its newest version (2) in shared memory" in again.log(0)
+
+
+def test_a_relaunch_that_resumes_at_its_last_step_writes_it_to_the_tier_before_freeing(shm_dir, tmp_path):
+    job, persist = job_id(), tmp_path / "persist"
+    assert run(shm_dir, tmp_path / "out", "--steps", "3", "--end", "exit1", job=job).wait(TIMEOUT) == [1, 1]
+    again = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job)
+    assert again.wait(TIMEOUT) == [0, 0], again.log(0)
+    assert logged(restored_from_memory(3, 0), again.log(0))
+    assert (persist / "newest").read_text() == "v3" and jobs.list_jobs(shm_dir) == []
+
+
 def test_a_finish_with_its_newest_version_on_disk_frees_memory(shm_dir, tmp_path):
     job, persist = job_id(), tmp_path / "persist"
     assert run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job).wait(TIMEOUT) == [0, 0]
