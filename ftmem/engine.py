@@ -125,9 +125,7 @@ class SnapshotEngine:
                                     lambda record, slot_bytes: self._restorer.read_version(record, slot_bytes,
                                                                                            torch.device("cpu")))
         self._inflight: Optional[SaveHandle] = None
-        # The newest version this engine saved and saw protected (or that the adapter resumed
-        # from, until it saves again: AdapterRuntime.resumed_from_memory).
-        self.protected: Optional[int] = None
+        self.protected: Optional[int] = None  # the newest version saved and protected, or resumed from
         self._closed = False
 
     @property
