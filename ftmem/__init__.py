@@ -6,7 +6,8 @@ the engine's parts (see the README's architecture section) and may change.
 from .config import DP_SHARD_CHOICES, FtmemConfig
 from .engine import SnapshotEngine
 from .errors import (ConfigError, CorruptShard, FtmemError, JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion,
-                     NotRecoverableFromMemory, ShmBudgetError, SmpError, UnsupportedTensor)
+                     NotRecoverableFromMemory, ShmBudgetError, SmpError, UnadmittedType, UnsafeSharedMemory,
+                     UnsupportedTensor)
 from .format import FrameworkFormat
 from .handle import SaveHandle
 from .logs import job_info, rank_info, restored_from_disk, restored_from_memory
@@ -16,7 +17,7 @@ from .persist import flushed, save_atomically
 from .restore import Restored
 from .rng import rng_states, set_rng_states
 from .runtime import DISK, MEMORY, SCRATCH, AdapterRuntime, Resumption, check_startup
-from .slots import write_atomically
+from .private import write_atomically
 
 __all__ = [
     # the engine, for applications
@@ -29,5 +30,6 @@ __all__ = [
     "job_info", "rank_info", "restored_from_memory", "restored_from_disk",
     # errors
     "FtmemError", "ConfigError", "CorruptShard", "LayoutMismatch", "NoRecoverableVersion", "NotRecoverableFromMemory",
-    "ShmBudgetError", "SmpError", "UnsupportedTensor", "ForeignVersions", "JobAlreadyRunning",
+    "ShmBudgetError", "SmpError", "UnsupportedTensor", "UnadmittedType", "UnsafeSharedMemory", "ForeignVersions",
+    "JobAlreadyRunning",
 ]

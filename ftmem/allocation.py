@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from .errors import ShmBudgetError
+from .private import open_private
 from .slots import DATA, NUM_SLOTS, PARITY, RankStore
 from .units import fmt_bytes
 
@@ -36,7 +37,7 @@ def allocate(store: RankStore, nbytes: int, parity_nbytes: int) -> None:
         if not growth[kind]:
             continue
         for slot in range(NUM_SLOTS):
-            fd = os.open(store.slot_path(slot, kind), os.O_RDWR | os.O_CREAT, 0o600)
+            fd = open_private(store.slot_path(slot, kind), os.O_RDWR | os.O_CREAT)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:

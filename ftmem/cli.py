@@ -82,7 +82,8 @@ def _cmd_status(args) -> int:
     for job in report["jobs"]:
         print(f"job {job['job']}")
         for n in job["nodes"]:
-            smp = f"SMP pid {n['smp_pid']}" if n["smp_pid"] else "no SMP running"
+            # An SMP exits once its ranks are gone for FTMEM_SMP_GRACE_S; the versions stay.
+            smp = f"SMP running (pid {n['smp_pid']})" if n["smp_pid"] else "no SMP running (a restart starts one)"
             print(f"  node {n['node']}: ranks {n['ranks']}, {smp}, versions {n['versions'] or 'none'}, "
                   f"protected {n['protected']}  ({n['path']})")
     return 0

@@ -47,3 +47,11 @@ class UnsupportedTensor(FtmemError, TypeError):
 
 class JobAlreadyRunning(SmpError):
     """Another live process already runs this rank of the job: two jobs share one id."""
+
+
+class UnsafeSharedMemory(FtmemError):
+    """A directory or file in shared memory that another user could have planted or may change."""
+
+
+class UnadmittedType(FtmemError, TypeError):
+    """A state holds an object of a type that a snapshot's skeleton does not admit."""

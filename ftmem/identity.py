@@ -3,7 +3,10 @@ node's snapshots live in shared memory.
 
 Layout of the shared-memory filesystem (DESIGN.md §5)::
 
-    <shm_dir>/ftmem/<job>/node<i>/     one directory per (virtual) node, owned by its SMP
+    <shm_dir>/ftmem-<uid>/<job>/node<i>/     one directory per (virtual) node, owned by its SMP
+
+The root is per user (the effective uid): a shared-memory filesystem is open to every
+local user, and each keeps its jobs in a directory of its own, 0700 (:mod:`ftmem.private`).
 """
 from __future__ import annotations
 
@@ -19,13 +22,13 @@ from .errors import ConfigError
 if TYPE_CHECKING:  # the config checks job ids with is_job_id: it imports this module
     from .config import FtmemConfig
 
-ROOT_NAME = "ftmem"
+ROOT_PREFIX = "ftmem-"
 _JOB_ID_CHARS = re.compile(r"[A-Za-z0-9._-]{1,128}")
 JOB_ID_RULE = "a job id of 1-128 letters, digits, '.', '_' and '-', other than '.' and '..'"
 
 
 def is_job_id(job: object) -> bool:
-    """Whether ``job`` names a directory of its own under ``<shm_dir>/ftmem``: no
+    """Whether ``job`` names a directory of its own under the root: no
     separator, and not '.' or '..' (which name the root itself or its parent)."""
     return isinstance(job, str) and _JOB_ID_CHARS.fullmatch(job) is not None and job not in (".", "..")
 
@@ -70,10 +73,15 @@ def resolve_ranks_per_node(configured: Optional[int], world_size: int) -> int:
     return rpn
 
 
+def root_dir(shm_dir: str) -> str:
+    """``<shm_dir>/ftmem-<uid>``: where this user's jobs keep their memory."""
+    return os.path.join(shm_dir, f"{ROOT_PREFIX}{os.geteuid()}")
+
+
 def job_root(shm_dir: str, job: str) -> str:
-    """``<shm_dir>/ftmem/<job>``, refused unless it is a directory of its own there: a
+    """``<shm_dir>/ftmem-<uid>/<job>``, refused unless it is a directory of its own there: a
     valid job id, and no symbolic link leading elsewhere (ftmem clean deletes what is in it)."""
-    root = os.path.join(shm_dir, ROOT_NAME)
+    root = root_dir(shm_dir)
     path = os.path.join(root, check_job_id(job))
     if os.path.dirname(os.path.realpath(path)) != os.path.realpath(root):
         raise ConfigError(f"{path} leads outside {root} (to {os.path.realpath(path)}): ftmem keeps a job's "

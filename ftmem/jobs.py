@@ -1,7 +1,9 @@
 """What the shared-memory directory holds, job by job, and freeing it.
 
 Used by ``ftmem status`` and ``ftmem clean``; reads only the filesystem and /proc,
-so it works whether or not the SMPs and trainers are alive.
+so it works whether or not the SMPs and trainers are alive. It sees this user's jobs
+(``<shm_dir>/ftmem-<uid>``), and refuses, like the training side, a root or job directory
+that another user owns or may write (:mod:`ftmem.private`).
 """
 from __future__ import annotations
 
@@ -12,25 +14,33 @@ import signal
 import time
 from typing import Optional
 
-from .identity import ROOT_NAME, is_job_id, job_root
+from .identity import is_job_id, job_root, root_dir
+from .private import check_private_dir, read_private
 from .procs import pid_alive
 from .slots import RankStore, ranks_in
 from .smp_client import NODE_FILE, running_smp, stop_smp
 
 
 def list_jobs(shm_dir: str) -> list[str]:
-    """The jobs in ``shm_dir``: directories of ``<shm_dir>/ftmem`` named by a valid job id
+    """The jobs in ``shm_dir``: directories of ``<shm_dir>/ftmem-<uid>`` named by a valid job id
     (anything else there, a symbolic link included, is no job's: neither shown nor cleaned)."""
-    root = os.path.join(shm_dir, ROOT_NAME)
-    paths = {name: os.path.join(root, name) for name in (os.listdir(root) if os.path.isdir(root) else [])}
+    root = root_dir(shm_dir)
+    if not os.path.lexists(root):
+        return []
+    check_private_dir(root)
+    paths = {name: os.path.join(root, name) for name in os.listdir(root)}
     return sorted(name for name, path in paths.items()
                   if is_job_id(name) and os.path.isdir(path) and not os.path.islink(path))
 
 
 def node_dirs(shm_dir: str, job: str) -> list[tuple[int, str]]:
     job_dir = job_root(shm_dir, job)  # refuses an id that is no job's directory
+    if not os.path.lexists(job_dir):
+        return []
+    check_private_dir(os.path.dirname(job_dir))
+    check_private_dir(job_dir)
     nodes = []
-    for name in os.listdir(job_dir) if os.path.isdir(job_dir) else []:
+    for name in os.listdir(job_dir):
         if name.startswith("node") and name[4:].isdigit():
             nodes.append((int(name[4:]), os.path.join(job_dir, name)))
     return sorted(nodes)
@@ -38,10 +48,10 @@ def node_dirs(shm_dir: str, job: str) -> list[tuple[int, str]]:
 
 def node_ranks(path: str) -> list[int]:
     try:
-        with open(os.path.join(path, NODE_FILE)) as f:
-            return json.load(f)["ranks"]
-    except (FileNotFoundError, ValueError, KeyError):
+        ranks = json.loads(read_private(os.path.join(path, NODE_FILE)))["ranks"]
+    except (OSError, ValueError, KeyError, TypeError):  # missing, a link, or not what ftmem writes
         return ranks_in(path)
+    return ranks if isinstance(ranks, list) and all(type(r) is int for r in ranks) else ranks_in(path)
 
 
 def node_status(node: int, path: str) -> dict:

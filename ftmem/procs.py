@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .private import read_private
+
 
 def _stat_fields(pid: int) -> Optional[list[bytes]]:
     """The fields of /proc/<pid>/stat after the parenthesised command name (which may hold
@@ -41,8 +43,8 @@ def cmdline(pid: int) -> list[str]:
 
 
 def read_pid(path: str) -> Optional[int]:
+    """The pid in a pid file of shared memory; None if it is missing, a link, or holds no pid."""
     try:
-        with open(path) as f:
-            return int(f.read().strip() or 0) or None
-    except (FileNotFoundError, ValueError):
+        return int(read_private(path).strip() or 0) or None
+    except (OSError, ValueError):
         return None

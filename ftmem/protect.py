@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,10 +26,10 @@ import torch.distributed as dist
 from . import testhooks
 from .checksum import checksum
 from .codec import Codec
-from .errors import NotRecoverableFromMemory
+from .errors import CorruptShard, NotRecoverableFromMemory
 from .plan import ALIGN
 from .placement import ECGroup
-from .slots import CommitRecord, ParityRecord
+from .slots import CommitRecord, ParityRecord, decode_record, encode_record
 
 EXCHANGE_CHUNK = 32 << 20  # bytes per move and round when protecting
 
@@ -194,14 +193,16 @@ class ColumnCoder:
         dst[len(chunk) :] = 0
 
     # -- protect ------------------------------------------------------------------
-    def exchange_info(self, record: CommitRecord) -> tuple[list[int], list[bytes], int]:
+    def exchange_info(self, record: CommitRecord) -> tuple[list[int], list[CommitRecord], int]:
+        # Records travel as their plain encoding (ftmem.slots), never as pickled objects.
         infos: list = [None] * self.group.n
-        dist.all_gather_object(infos, (record.plan.nbytes, pickle.dumps(record, protocol=5)), group=self.pg)
-        lengths, records = [i[0] for i in infos], [i[1] for i in infos]
+        dist.all_gather_object(infos, encode_record(record), group=self.pg)
+        records = [_decode(CommitRecord, info) for info in infos]
+        lengths = [r.plan.nbytes for r in records]
         return lengths, records, piece_size(lengths, self.group.k)
 
     def protect(self, record: CommitRecord, data: np.ndarray, parity: np.ndarray, lengths: list[int],
-                records: list[bytes], piece: int) -> ParityRecord:
+                records: list[CommitRecord], piece: int) -> ParityRecord:
         """Send this member's pieces to their stripes' parity holders, receive the pieces
         of the stripes it holds parity for, and encode them into ``parity`` (m pieces)."""
         g, pos = self.group, self.position
@@ -259,9 +260,9 @@ class ColumnCoder:
         """
         g, pos, n, k = self.group, self.position, self.group.n, self.group.k
         metas: list = [None] * n
-        mine = (parity[0].piece_size, parity[0].lengths, parity[0].records) if parity else None
-        dist.all_gather_object(metas, mine, group=self.pg)
-        piece, lengths, records = next(m for m in metas if m is not None)
+        dist.all_gather_object(metas, encode_record(parity[0]) if parity else None, group=self.pg)
+        held = _decode(ParityRecord, next(m for m in metas if m is not None))
+        piece, lengths, records = held.piece_size, held.lengths, held.records
         lost = [i for i in range(n) if i not in has_data]
         transfers = []  # (source, destination, stripe, code index), in one canonical order
         for dest in lost:
@@ -291,7 +292,17 @@ class ColumnCoder:
             available = {code: recv_np[i * piece : (i + 1) * piece]
                          for i, (_, _, s, code) in enumerate(incoming) if s == stripe}
             self.codec.rebuild(available, {p: rebuilt[p * piece : (p + 1) * piece]})
-        return pickle.loads(records[pos]), rebuilt[: lengths[pos]]
+        return records[pos], rebuilt[: lengths[pos]]
+
+
+def _decode(kind: type, payload: bytes):
+    """A record a column peer sent; CorruptShard if it is none (a peer of another ftmem format)."""
+    if not isinstance(payload, bytes):
+        raise CorruptShard(f"a column peer sent {type(payload).__name__} where an encoded {kind.__name__} belongs.")
+    try:
+        return decode_record(kind, payload)
+    except (ValueError, TypeError) as e:
+        raise CorruptShard(f"a column peer sent an unreadable {kind.__name__} ({e}).") from e
 
 
 def make_column_groups(topology: Topology, rank: int) -> Optional[dist.ProcessGroup]:

@@ -17,7 +17,9 @@ pieces this rank keeps for its EC group's version in that slot. Files::
 
 Every marker starts with a checksum of its own payload (:func:`ftmem.checksum.with_checksum`):
 a marker that is missing, empty, torn or flipped reads as :class:`CorruptShard`, never as
-a record.
+a record. The payload is JSON of the record's fields under a format version
+(:func:`encode_record`), never a pickle: shared memory is writable by whoever planted
+files there before the job's checks, and reading a marker must run no code.
 
 Before a slot is overwritten, the marker of the version it held is removed, so a
 process killed mid-copy leaves a slot that no marker points at: the torn version is
@@ -25,28 +27,29 @@ invisible and the other slot's version is untouched.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import mmap
 import os
-import pickle
 import re
+import typing
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from .checksum import checked, with_checksum
 from .errors import CorruptShard
 from .plan import SnapshotPlan
 from .parallel import ParallelLayout
+from .private import open_private, read_private, unlink_if_present, write_atomically
 
 NUM_SLOTS = 2
 DATA, PARITY = "slot", "parity"
 _MARKER_RE = re.compile(r"^rank(\d{5})\.v(\d{12})\.s(\d)\.(commit|parity)$")
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+# Bumped whenever a record's fields change meaning: a reader refuses what it does not know.
+RECORD_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class ParityRecord:
     nodes: tuple[int, ...]  # the group's nodes, by position
     piece_size: int
     lengths: tuple[int, ...]  # data bytes of each member, by position in the group
-    records: tuple[bytes, ...]  # each member's pickled CommitRecord, by position
+    records: tuple[CommitRecord, ...]  # each member's commit record, by position
     checksums: tuple[str, ...]  # of the parity pieces this rank holds, in storage order
 
 
@@ -172,70 +175,124 @@ class RankStore:
 
     def write_protected(self, version: int) -> None:
         """Record that the whole job has protected ``version`` (for ``ftmem status``)."""
-        write_atomically(self.protected_path(), str(version).encode())
+        write_atomically(self.protected_path(), str(version).encode(), private=True)
 
     def read_protected(self) -> Optional[int]:
         """The newest version known protected job-wide, if this rank still holds it."""
         try:
-            with open(self.protected_path()) as f:
-                version = int(f.read())
-        except (FileNotFoundError, ValueError):
+            version = int(read_private(self.protected_path()))
+        except (OSError, ValueError):  # missing, or not ours to read (a link)
             return None
         return version if version in self.committed() and version in self.parity_held() else None
 
     def write_parity(self, record: ParityRecord) -> None:
-        write_atomically(self.parity_marker_path(record.version, record.slot), _marker(record))
+        write_atomically(self.parity_marker_path(record.version, record.slot), _marker(record), private=True)
 
     def read_parity(self, version: int) -> ParityRecord:
         """A version's parity record; CorruptShard if there is none, or its marker is damaged."""
         slot = self.parity_held().get(version)
         if slot is None:
             raise CorruptShard(f"rank {self.rank} holds no parity for version {version}.")
-        return _read_marker(self.parity_marker_path(version, slot),
+        return _read_marker(ParityRecord, self.parity_marker_path(version, slot),
                             f"rank {self.rank} version {version}: parity marker")
 
     def write_commit(self, record: CommitRecord) -> None:
-        write_atomically(self.commit_path(record.version, record.slot), _marker(record))
+        write_atomically(self.commit_path(record.version, record.slot), _marker(record), private=True)
 
     def read_commit(self, version: int) -> CommitRecord:
         """A committed version's record; CorruptShard if it is not committed, or its marker is damaged."""
         slot = self.committed().get(version)
         if slot is None:
             raise CorruptShard(f"rank {self.rank} holds no committed version {version} in {self.node_dir}.")
-        return _read_marker(self.commit_path(version, slot), f"rank {self.rank} version {version}: commit marker")
+        return _read_marker(CommitRecord, self.commit_path(version, slot),
+                            f"rank {self.rank} version {version}: commit marker")
 
     # -- memory ------------------------------------------------------------
     def map_slot(self, slot: int, writable: bool, kind: str = DATA) -> mmap.mmap:
-        with open(self.slot_path(slot, kind), "r+b" if writable else "rb") as f:
+        fd = open_private(self.slot_path(slot, kind), os.O_RDWR if writable else os.O_RDONLY)
+        try:
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=prot)
+            return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=prot)
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
 
 
-def read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+# -- records as JSON ------------------------------------------------------------------
+def _to_json(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, bytes):
+        # Latin-1 maps each byte to one code point: text stays text in the marker.
+        return value.decode("latin-1")
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(kind: type) -> dict[str, Any]:
+    """A record class's fields and their types (resolved once: a plan has an entry per tensor)."""
+    return typing.get_type_hints(kind)
+
+
+def _from_json(kind: Any, value: Any) -> Any:
+    """``value`` (parsed JSON) as an instance of the type hint ``kind``; ValueError if it is not one."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Union:  # Optional[X]
+        return None if value is None else _from_json(next(a for a in args if a is not type(None)), value)
+    if dataclasses.is_dataclass(kind):
+        hints = _field_types(kind)
+        if not isinstance(value, dict) or not set(value) <= set(hints):
+            raise ValueError(f"{kind.__name__} needs an object with the keys {sorted(hints)}, got {value!r:.200}")
+        return kind(**{name: _from_json(hints[name], v) for name, v in value.items()})
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, got {value!r:.200}")
+        kinds = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
+        if len(kinds) != len(value):
+            raise ValueError(f"expected {len(kinds)} items, got {len(value)}")
+        return tuple(_from_json(k, v) for k, v in zip(kinds, value))
+    if kind is bytes and isinstance(value, str):
+        return value.encode("latin-1")
+    if kind is torch.dtype and isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
+        return getattr(torch, value)
+    if kind in (int, str, bool) and type(value) is kind:
+        return value
+    raise ValueError(f"expected {getattr(kind, '__name__', kind)}, got {value!r:.200}")
+
+
+def encode_record(record: Any) -> bytes:
+    """A CommitRecord or ParityRecord as JSON, under :data:`RECORD_FORMAT`."""
+    return json.dumps({"format": RECORD_FORMAT, "type": type(record).__name__, "fields": _to_json(record)},
+                      separators=(",", ":")).encode()
+
+
+def decode_record(kind: type, payload: bytes) -> Any:
+    """The record of type ``kind`` that :func:`encode_record` wrote; ValueError for anything else."""
+    try:
+        doc = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not an ftmem record ({e})") from e
+    if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT or doc.get("type") != kind.__name__:
+        raise ValueError(f"not an ftmem {kind.__name__} of format {RECORD_FORMAT}")
+    return _from_json(kind, doc.get("fields"))
 
 
 def _marker(record) -> bytes:
-    return with_checksum(pickle.dumps(record, protocol=5))
+    return with_checksum(encode_record(record))
 
 
-def _read_marker(path: str, what: str):
+def _read_marker(kind: type, path: str, what: str):
     """The record in a marker file; CorruptShard if the file is missing, empty, torn or damaged."""
     try:
-        payload = checked(read_bytes(path))
-    except OSError as e:  # removed meanwhile, or unreadable
+        payload = checked(read_private(path))
+    except OSError as e:  # removed meanwhile, unreadable, or a symbolic link
         raise CorruptShard(f"{what} {path} cannot be read ({e}).") from e
     if payload is None:
         raise CorruptShard(f"{what} {path} is empty or damaged: it does not match its own checksum.")
     try:
-        return pickle.loads(payload)
-    except Exception as e:  # intact bytes another ftmem wrote, with classes this one lacks
+        return decode_record(kind, payload)
+    except (ValueError, TypeError) as e:  # intact bytes of another format (an older ftmem, or planted)
         raise CorruptShard(f"{what} {path} is unreadable ({e}).") from e
-
-
-def unlink_if_present(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -13,6 +13,10 @@ state. An SMP that falls silent (stopped, hung, starved) raises
 :class:`~ftmem.errors.SmpUnresponsive` naming it, and training stops with the reason
 instead of stalling without a word.
 
+The directories on the way to the node (``<shm_dir>/ftmem-<uid>/<job>/node<i>``) are
+created private (0700) and checked on every connection (:mod:`ftmem.private`): one another
+user owns or may write is refused with the reason, never used.
+
 The node directory a client first connected in is its job's. If it vanishes or is
 replaced while the job runs (``ftmem clean``), the client raises
 :class:`~ftmem.errors.SharedMemoryRemoved` rather than start a new SMP in an empty
@@ -21,7 +25,6 @@ directory and let training go on with nothing to restore.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -37,9 +40,11 @@ from typing import Iterator, Optional
 
 from . import errors
 from .logs import log
+from .private import (check_private_dir, open_private, private_dir, read_private, unlink_if_present,
+                      write_atomically, write_new)
 from .procs import cmdline, pid_alive, process_state, read_pid
-from .slots import unlink_if_present
-from .smp import BUSY, KEEPALIVE_S, KEY_FILE, LOCK_FILE, LOG_FILE, PID_FILE, smp_address
+from .smp import (BUSY, EXIT_ADDRESS_TAKEN, KEEPALIVE_S, KEY_FILE, LOCK_FILE, LOG_FILE, PID_FILE, node_lock,
+                  receive_message, send_message, smp_address, smp_grace_s)
 
 SMP_START_TIMEOUT_S = 60.0
 SMP_STOP_TIMEOUT_S = 5.0
@@ -108,16 +113,15 @@ def _reap() -> None:
 
 def _log_tail(node_dir: str, lines: int = 15) -> str:
     try:
-        with open(os.path.join(node_dir, LOG_FILE), errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except FileNotFoundError:
+        text = read_private(os.path.join(node_dir, LOG_FILE)).decode(errors="replace")
+    except OSError:  # missing, or not a file of ours
         return "(no log)"
+    return "".join(text.splitlines(keepends=True)[-lines:])
 
 
 def _read_key(node_dir: str) -> Optional[bytes]:
     try:
-        with open(os.path.join(node_dir, KEY_FILE), "rb") as f:
-            return f.read() or None
+        return read_private(os.path.join(node_dir, KEY_FILE)) or None
     except FileNotFoundError:
         return None
 
@@ -126,35 +130,34 @@ def _new_key(node_dir: str) -> bytes:
     key = os.urandom(32)
     path = os.path.join(node_dir, KEY_FILE)
     unlink_if_present(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, key)
-    finally:
-        os.close(fd)
+    write_new(path, key)
     return key
 
 
 def _write_node_file(node_dir: str, ranks: list[int]) -> None:
-    with open(os.path.join(node_dir, NODE_FILE), "w") as f:
-        json.dump({"ranks": ranks}, f)
+    write_atomically(os.path.join(node_dir, NODE_FILE), json.dumps({"ranks": ranks}).encode(), private=True)
+
+
+def _private_node_dir(node_dir: str, create: bool) -> None:
+    """Check (and with ``create``, make) the root, job and node directories: private to this user."""
+    job_dir = os.path.dirname(node_dir)
+    for path in (os.path.dirname(job_dir), job_dir, node_dir):
+        if create:
+            private_dir(path)
+        else:
+            check_private_dir(path)
 
 
 @contextlib.contextmanager
 def _node_lock(node_dir: str) -> Iterator[None]:
     """The node's lock, held while an SMP is checked, stopped or started; waited for, bounded."""
-    with open(os.path.join(node_dir, LOCK_FILE), "a") as lock:
-        deadline = time.monotonic() + _LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise errors.SmpError(
-                        f"another process of this node has held {lock.name} for over {_LOCK_TIMEOUT_S:.0f} s "
-                        f"(`fuser {lock.name}` names it): it is stopped or hung while starting the SMP. "
-                        f"Kill it, then restart the job.") from None
-                time.sleep(0.01)
+    with node_lock(node_dir, _LOCK_TIMEOUT_S) as taken:
+        if not taken:
+            lock = os.path.join(node_dir, LOCK_FILE)
+            raise errors.SmpError(
+                f"another process of this node has held {lock} for over {_LOCK_TIMEOUT_S:.0f} s "
+                f"(`fuser {lock}` names it): it is stopped or hung while starting the SMP. "
+                f"Kill it, then restart the job.")
         yield
 
 
@@ -167,8 +170,7 @@ def ensure_smp(node_dir: str, ranks: list[int], create: bool = True,
     SMP is restarted with a new one.
     """
     _reap()
-    if create:
-        os.makedirs(node_dir, exist_ok=True)
+    _private_node_dir(node_dir, create)
     with _node_lock(node_dir):
         pid, key = running_smp(node_dir), _read_key(node_dir)
         if pid is not None and (key is None or key == rejected_key):
@@ -178,7 +180,7 @@ def ensure_smp(node_dir: str, ranks: list[int], create: bool = True,
             stop_smp(pid)
             pid, key = None, None
         if pid is not None:
-            if not os.path.exists(os.path.join(node_dir, NODE_FILE)):
+            if not os.path.lexists(os.path.join(node_dir, NODE_FILE)):
                 log.warning("%s of %s vanished: written again", NODE_FILE, node_dir)
                 _write_node_file(node_dir, ranks)
             return pid, key
@@ -186,7 +188,8 @@ def ensure_smp(node_dir: str, ranks: list[int], create: bool = True,
         _write_node_file(node_dir, ranks)
         unlink_if_present(os.path.join(node_dir, PID_FILE))
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        with open(os.path.join(node_dir, LOG_FILE), "ab") as logf:
+        with os.fdopen(open_private(os.path.join(node_dir, LOG_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT),
+                       "ab") as logf:
             proc = subprocess.Popen(
                 [sys.executable, "-c", _SMP_ENTRY, "--node-dir", node_dir,
                  "--ranks", ",".join(map(str, ranks))],
@@ -203,10 +206,15 @@ def ensure_smp(node_dir: str, ranks: list[int], create: bool = True,
                 break
             time.sleep(0.02)
         proc.kill()
-        raise errors.SmpError(
-            f"the SMP for {node_dir} did not start within {SMP_START_TIMEOUT_S:.0f} s "
-            f"(exit code {proc.poll()}). Its log:\n{_log_tail(node_dir)}"
-        )
+        code = proc.poll()
+        if code == EXIT_ADDRESS_TAKEN:
+            raise errors.SmpError(
+                f"the SMP for {node_dir} cannot listen: another process holds its socket name (an SMP of this node "
+                f"that lost its pid file, or a process that read its smp.key). Stop that process, or run "
+                f"`ftmem clean` for this job, then restart. Its log:\n{_log_tail(node_dir)}")
+        what = f"exited at start (exit code {code})" if code is not None else \
+            f"did not start within {SMP_START_TIMEOUT_S:.0f} s"
+        raise errors.SmpError(f"the SMP for {node_dir} {what}. Its log:\n{_log_tail(node_dir)}")
 
 
 def bound_waits(sock: socket.socket, timeout: float) -> None:
@@ -224,11 +232,12 @@ def connect(node_dir: str, key: bytes, timeout: float) -> Connection:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         bound_waits(sock, timeout)  # first: connect() waits for room in the SMP's backlog up to it
-        sock.connect(smp_address(node_dir))
+        sock.connect(smp_address(node_dir, key))
         conn = Connection(sock.detach())
     finally:
         sock.close()
     try:
+        # Both ways: the SMP proves it holds the key too, so a process that took its name is never trusted.
         answer_challenge(conn, key)
         deliver_challenge(conn, key)
     except BaseException:
@@ -239,10 +248,10 @@ def connect(node_dir: str, key: bytes, timeout: float) -> Connection:
 
 def exchange(conn: Connection, msg: tuple) -> tuple:
     """Send a request and return its reply, past the SMP's keepalives."""
-    conn.send(msg)
-    reply = conn.recv()
+    send_message(conn, msg)
+    reply = receive_message(conn)
     while reply == BUSY:
-        reply = conn.recv()
+        reply = receive_message(conn)
     return reply
 
 
@@ -261,6 +270,7 @@ class SmpClient:
         self.node_dir = node_dir
         self.ranks = ranks
         self.timeout_s = smp_timeout_s()
+        smp_grace_s()  # a bad FTMEM_SMP_GRACE_S stops the rank with the reason, not its SMP without a word
         self._conn: Optional[Connection] = None
         self._lock = threading.Lock()
         self._home: Optional[tuple[int, int]] = None  # the node directory it first connected in
@@ -316,7 +326,9 @@ class SmpClient:
                             f"Its log:\n{_log_tail(self.node_dir)}"
                         ) from e
         if reply[0] == "err":
-            raise getattr(errors, reply[1], errors.SmpError)(reply[2])
+            kind = getattr(errors, str(reply[1]), None)
+            known = isinstance(kind, type) and issubclass(kind, errors.FtmemError)
+            raise (kind if known else errors.SmpError)(reply[2])
         return reply
 
     def _unresponsive(self, kind: str) -> errors.SmpUnresponsive:

@@ -23,6 +23,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, ParallelLayout, check_startup, flushed,
                    gather_dp_groups, write_atomically)
@@ -30,6 +33,11 @@ from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, Parall
 from .format import DeepSpeedFormat
 
 STUB_MAGIC = "ftmem in-memory checkpoint stub"
+
+# DeepSpeed's own types in the state it hands a checkpoint engine. ftmem loads a snapshot's
+# skeleton only with admitted types (the list torch.load(weights_only=True) uses); these
+# hold plain fields and are rebuilt without running DeepSpeed code.
+torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address])
 
 
 def file_key(path: str) -> str:

@@ -8,6 +8,7 @@ import sys
 from conftest import _leftover_smps
 
 from ftmem import jobs
+from ftmem.identity import root_dir
 from ftmem.procs import cmdline
 
 KEYS = {"iters", "rank_rss_growth_mb", "smp_rss_growth_mb", "shm_growth_mb", "thread_growth", "fd_growth",
@@ -28,5 +29,5 @@ def test_bench_soak_ends_with_a_result_line_and_frees_the_job(shm_dir):
     assert figures["smp_left"] == 0 and figures["shm_left_mb"] == 0
     assert jobs.list_jobs(shm_dir) == []
     assert not [pid for pid in _leftover_smps() if any(shm_dir in a for a in cmdline(pid))]
-    root = os.path.join(shm_dir, "ftmem")
+    root = root_dir(shm_dir)
     assert not os.path.isdir(root) or os.listdir(root) == []

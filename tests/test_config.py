@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from ftmem.config import FtmemConfig
@@ -69,7 +71,7 @@ def test_virtual_nodes(monkeypatch):
     monkeypatch.setenv("FTMEM_JOB_ID", "j")
     ident = RankIdentity.resolve(FtmemConfig.from_dict({"ranks_per_node": 2}), rank=5, world_size=6)
     assert (ident.node, ident.local_rank, ident.num_nodes) == (2, 1, 3)
-    assert ident.node_dir == "/dev/shm/ftmem/j/node2"
+    assert ident.node_dir == f"/dev/shm/ftmem-{os.geteuid()}/j/node2"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # the launcher's default
     assert RankIdentity.resolve(FtmemConfig.from_dict({}), rank=4, world_size=6).node == 1
     with pytest.raises(ConfigError, match="not a multiple of ranks_per_node"):

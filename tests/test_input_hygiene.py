@@ -11,7 +11,7 @@ import torch
 
 from conftest import job_id, run_cli
 from ftmem import ConfigError, FtmemConfig, SnapshotEngine, cli, jobs
-from ftmem.identity import RankIdentity, resolve_job_id
+from ftmem.identity import RankIdentity, resolve_job_id, root_dir
 from ftmem_megatron.arguments import validate_ftmem_args
 from test_megatron_args import IN_MEMORY, parse
 
@@ -110,11 +110,12 @@ def test_commands_refuse_a_bad_job_id_in_one_line(command, job, shm_dir, capsys)
 
 def test_clean_deletes_nothing_outside_the_shared_memory_directory(tmp_path):
     shm, victim = tmp_path / "shm", tmp_path / "victim"
-    (shm / "ftmem" / "real" / "node0").mkdir(parents=True)
+    root = tmp_path / "shm" / os.path.basename(root_dir(str(shm)))
+    (root / "real" / "node0").mkdir(parents=True)
     (victim / "node0").mkdir(parents=True)
     (victim / "node0" / "precious").write_text("keep me")
-    (shm / "ftmem" / "link").symlink_to(victim)  # a job directory that leads elsewhere
-    (shm / "ftmem" / "stray file").write_text("")
+    (root / "link").symlink_to(victim)  # a job directory that leads elsewhere
+    (root / "stray file").write_text("")
     assert "job id '../../victim' is not usable" in one_line_refusal(
         run_cli("clean", "--shm-dir", str(shm), "--job", "../../victim"))
     assert jobs.list_jobs(str(shm)) == ["real"]  # neither the link nor the file is a job

@@ -16,6 +16,7 @@ import torch
 
 from conftest import job_id, run_cli
 from ftmem import FtmemError, SmpError, SnapshotEngine
+from ftmem import identity
 from ftmem.procs import pid_alive
 from ftmem.smp_client import running_smp
 
@@ -172,7 +173,7 @@ class TwoNodeJob:
         open(os.path.join(self.flags, "go"), "w").close()
 
     def node_dir(self, node):
-        return os.path.join(self.shm_dir, "ftmem", self.job, f"node{node}")
+        return identity.node_dir(self.shm_dir, self.job, node)
 
     def finish(self, rank):
         """(exit code, stderr) of ``rank``; a hang fails the test."""
