@@ -144,6 +144,20 @@ def test_a_rebuild_under_another_ec_geometry_is_refused_on_every_rank(shm_dir, t
         assert "restored iteration" not in log
 
 
+def test_a_restart_with_one_more_rank_is_refused_on_every_rank(shm_dir, tmp_path):
+    """Issue 15, finding 4: the same job id restarted on 4 ranks (k=3) where 3 saved (k=2).
+    The new rank has nothing, and used to fail with an IndexError while the others hung."""
+    job = TrainJob(shm_dir, tmp_path, world=WORLD, ec=(2, 1))
+    job.run_until_stopped(after=3)
+    job.world = WORLD + 1
+    codes = job.run("--ec-k", "3", "--ec-m", "1")
+    logs = [job.log(rank) for rank in range(WORLD + 1)]
+    assert codes == [3] * (WORLD + 1), logs
+    for log in logs:
+        assert "was written for k=2, m=1 over nodes [0, 1, 2]" in log
+        assert "the job now runs k=3, m=1 over nodes [0, 1, 2, 3]" in log
+
+
 def test_rebuilt_data_that_misses_its_writers_checksum_is_refused_on_every_rank(shm_dir, tmp_path):
     """Node 0's parity piece for node 1's first piece is changed and checksummed again:
     it passes its own check, but what it rebuilds is not what node 1 wrote."""
