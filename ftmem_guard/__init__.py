@@ -1,13 +1,16 @@
-"""Turns a silent misconfiguration into a clear error: ``"checkpoint": {"engine": "ftmem"}``
-in a DeepSpeed config, but neither ``import ftmem_deepspeed`` nor the DeepSpeed patch.
+"""Lets the DeepSpeed JSON config alone switch ftmem on: ``"checkpoint": {"engine": "ftmem"}``
+in a script that neither imports ``ftmem_deepspeed`` nor runs a patched DeepSpeed.
 
 DeepSpeed ignores engine names it does not know and would save with ``torch.save``,
 so the user would believe they had in-memory checkpoints and have none. DeepSpeed has
-no plugin hook to catch this, so ftmem registers :func:`arm` under torch's
+no plugin hook for engines, so ftmem registers :func:`arm` under torch's
 ``torch.backends`` entry-point group, which ``import torch`` calls (set
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` to switch all such hooks off). :func:`arm` only
 adds an import watcher: when ``deepspeed.runtime.engine`` is first imported, its
-``create_checkpoint_engine`` gets a check in front. It costs nothing otherwise.
+``create_checkpoint_engine`` gets a check in front. When a config selects ftmem, the
+check installs the adapter right there (``import ftmem_deepspeed``: before the engine
+is built, so before any step or load) and hands over to it; if the adapter cannot be
+imported, it raises :class:`FtmemNotInstalled` with the reason. It costs nothing otherwise.
 
 This package imports neither torch nor DeepSpeed nor the rest of ftmem: it runs in
 the middle of ``import torch``.
@@ -15,8 +18,10 @@ the middle of ``import torch``.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 import warnings
 
@@ -24,15 +29,29 @@ WATCHED_MODULE = "deepspeed.runtime.engine"
 ENGINE_NAME = "ftmem"
 
 
+ADAPTER = "ftmem_deepspeed"
+
+
 class FtmemNotInstalled(RuntimeError):
-    """The config selects ftmem, but nothing in this process installed it."""
+    """The config selects ftmem, but its DeepSpeed adapter cannot be installed in this process."""
 
 
-def missing_import_message() -> str:
-    return ("the DeepSpeed config sets \"checkpoint\": {\"engine\": \"ftmem\"}, but ftmem's DeepSpeed engine "
-            "is not installed in this process, so DeepSpeed would silently save every checkpoint with "
-            "torch.save instead. Add `import ftmem_deepspeed` to the training script before "
-            "deepspeed.initialize (or run a DeepSpeed with patches/deepspeed-0.19.8-ftmem.patch applied).")
+def missing_adapter_message(cause: BaseException) -> str:
+    return (f"the DeepSpeed config sets \"checkpoint\": {{\"engine\": \"ftmem\"}}, but ftmem's DeepSpeed engine "
+            f"could not be installed in this process ({type(cause).__name__}: {cause}), and DeepSpeed would "
+            f"silently save every checkpoint with torch.save instead. Check that `import {ADAPTER}` works in this "
+            f"environment (pip install ftmem[deepspeed]).")
+
+
+def install_adapter():
+    """Import the adapter, which installs itself into ``deepspeed.runtime.engine``, and
+    return the factory it put there."""
+    try:
+        importlib.import_module(ADAPTER)
+    except Exception as e:
+        raise FtmemNotInstalled(missing_adapter_message(e)) from e
+    logging.getLogger("ftmem").info("the DeepSpeed config selects \"engine\": \"ftmem\": installed %s", ADAPTER)
+    return sys.modules[WATCHED_MODULE].create_checkpoint_engine
 
 
 def selects_ftmem(config_params) -> bool:
@@ -43,9 +62,9 @@ def selects_ftmem(config_params) -> bool:
 def guard_engine_factory(module) -> None:
     """Put the check in front of ``module.create_checkpoint_engine``.
 
-    ``import ftmem_deepspeed`` later wraps this name again and answers "ftmem" itself,
-    so the check only ever sees "ftmem" when that import never happened. A patched
-    DeepSpeed (``FTMEM_NATIVE``) knows the engine and is left alone.
+    ``import ftmem_deepspeed`` wraps this name again and answers "ftmem" itself, so the
+    check only ever sees "ftmem" when that import has not happened yet: it happens then.
+    A patched DeepSpeed (``FTMEM_NATIVE``) knows the engine and is left alone.
     """
     factory = module.create_checkpoint_engine
     factory_module = sys.modules.get(getattr(factory, "__module__", ""), None)
@@ -55,7 +74,7 @@ def guard_engine_factory(module) -> None:
     @functools.wraps(factory)
     def create_checkpoint_engine(config_params, *args, **kwargs):
         if selects_ftmem(config_params):
-            raise FtmemNotInstalled(missing_import_message())
+            return install_adapter()(config_params, *args, **kwargs)
         return factory(config_params, *args, **kwargs)
 
     module.create_checkpoint_engine = create_checkpoint_engine
@@ -103,4 +122,4 @@ def arm() -> None:
             sys.meta_path.insert(0, _EngineImportWatcher())
     except Exception as e:
         warnings.warn(f"ftmem_guard could not arm ({e!r}); \"engine\": \"ftmem\" now needs "
-                      f"`import ftmem_deepspeed` to take effect.")
+                      f"`import {ADAPTER}` to take effect.")

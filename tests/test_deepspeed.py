@@ -109,9 +109,46 @@ def test_bad_ftmem_section_fails_at_initialize_with_the_reason(ftmem, message, s
     assert message in job.log(0)
 
 
-def test_ftmem_selected_without_the_import_is_refused_with_the_fix(shm_dir, tmp_path):
+def test_the_json_alone_switches_ftmem_on_in_a_script_that_never_mentions_it(shm_dir, tmp_path):
+    """tests/stock_deepspeed_train.py never imports ftmem; "checkpoint": {"engine": "ftmem"}
+    in its JSON installs the adapter (ftmem_guard) before the engine is built. It then
+    saves every step into memory, ends (keeping the memory: no persistent tier), loses a
+    node, and resumes from memory, rebuilt: losses and weights bitwise those of the same
+    script on DeepSpeed's default engine, without ftmem."""
+    with open(os.path.join(CONFIGS, "zero1.json")) as f:
+        config = json.load(f)
+    config["ftmem"]["shm_dir"] = shm_dir
+    stock = {k: v for k, v in config.items() if k not in ("checkpoint", "ftmem")}
+    world, iters, job = 3, 8, job_id()
+
+    def run(name: str, config: dict, iters: int, env: dict) -> LocalJob:
+        (tmp_path / f"{name}.json").write_text(json.dumps(config))
+        out = tmp_path / name
+        out.mkdir(exist_ok=True)
+        run = LocalJob("tests.stock_deepspeed_train", ["--config", str(tmp_path / f"{name}.json"), "--save-dir",
+                                                      str(out / "ckpt"), "--iters", str(iters), "--out", str(out)],
+                       world, job, str(out), env=env)
+        assert run.wait(TIMEOUT) == [0] * world, run.log(0)[-5000:]
+        return run
+
+    reference = run("reference", stock, iters, STOCK_ENV)
+    assert "checkpoint engine TorchCheckpointEngine" in reference.log(0)
+    first = run("ftmem", config, 5, ENV)
+    for rank in range(world):
+        assert "checkpoint engine FtmemCheckpointEngine" in first.log(rank), first.log(rank)[-3000:]
+        assert 'the DeepSpeed config selects "engine": "ftmem": installed ftmem_deepspeed' in first.log(rank)
+    jobs.lose_node(shm_dir, job, 1)
+    again = run("ftmem", config, iters, ENV)
+    for rank in range(world):
+        assert logged(restored_from_memory(5, rank, "tag global_step5", rebuilt=rank == 1), again.log(rank))
+    assert_same_training(str(tmp_path / "ftmem"), str(tmp_path / "reference"), world, iters)
+
+
+def test_ftmem_selected_where_the_adapter_cannot_be_imported_is_refused_with_the_reason(shm_dir):
     """Stock DeepSpeed would ignore the unknown engine name and save with torch.save."""
     script = textwrap.dedent(f"""
+        import sys
+        sys.modules["ftmem_deepspeed"] = None  # its import fails, as in an environment without it
         import deepspeed.ops
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         import deepspeed, torch
@@ -126,7 +163,9 @@ def test_ftmem_selected_without_the_import_is_refused_with_the_fix(shm_dir, tmp_
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode != 0
     assert "FtmemNotInstalled" in out.stderr
-    assert "Add `import ftmem_deepspeed` to the training script before deepspeed.initialize" in out.stderr
+    assert ("ftmem's DeepSpeed engine could not be installed in this process (ModuleNotFoundError: import of "
+            "ftmem_deepspeed halted") in out.stderr
+    assert "Check that `import ftmem_deepspeed` works in this environment" in out.stderr
     assert jobs.list_jobs(shm_dir) == []
 
 

@@ -1,0 +1,56 @@
+"""A DeepSpeed training script as a user writes it: nothing in it knows the checkpoint
+engine, which only the JSON config names (tests/test_deepspeed_json_switch.py).
+
+    python -m tests.stock_deepspeed_train --config CONFIG.json --save-dir DIR --iters N --out DIR
+
+Each step's loss (as float hex) and the final weights go to ``--out``; it saves after
+every step and, when ``--save-dir`` holds a checkpoint, resumes from it.
+"""
+import argparse
+import json
+import os
+
+import torch
+
+import deepspeed.ops
+
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a JIT-built op training does not use
+import deepspeed  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--iters", type=int, required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    with open(args.config) as f:
+        config = json.load(f)
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(64, 16))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    rank = torch.distributed.get_rank()
+    print(f"rank {rank}: checkpoint engine {type(engine.checkpoint_engine).__name__}", flush=True)
+    torch.manual_seed(99 + rank)  # per-rank dropout masks
+
+    path, client_state = engine.load_checkpoint(args.save_dir)
+    start = client_state["next_step"] if path else 0
+    with open(os.path.join(args.out, f"rank{rank}.losses.jsonl"), "a") as losses:
+        for step in range(start, args.iters):
+            data = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(4, 16, generator=data), torch.randn(4, 16, generator=data)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.write(json.dumps({"it": step, "loss": loss.item().hex()}) + "\n")
+            losses.flush()
+            engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1})
+    torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+               os.path.join(args.out, f"rank{rank}.final.pt"))
+
+
+if __name__ == "__main__":
+    main()
