@@ -34,7 +34,7 @@ from .handle import SaveHandle
 from .identity import RankIdentity
 from .logs import rank_warning
 from .ownership import refuse_foreign_versions
-from .parallel import ParallelLayout, make_dp_groups
+from .parallel import ParallelLayout, destroy_groups, make_dp_groups
 from .persist import Flusher
 from .placement import ec_groups
 from .plan import SnapshotPlan
@@ -242,13 +242,11 @@ class SnapshotEngine:
 
     # -- end --------------------------------------------------------------------
     def close(self, job_finished: bool = False) -> None:
-        """Finish the save in flight and let go of the slots (collective: every rank closes).
-
-        With ``job_finished`` on every rank, the job says it is done: each rank tells its
-        SMP, which frees the node's shared memory once all its ranks have. If any rank
-        closes without it, fails to, or its last flush failed, the snapshots stay for a
-        restarted job (or ``ftmem clean``). A second call does nothing.
-        """
+        """Finish the save in flight, let go of the slots and of ftmem's gloo groups
+        (collective: every rank closes). With ``job_finished`` on every rank, the job says it
+        is done: each rank tells its SMP, which frees the node's shared memory once all its
+        ranks have. If any rank closes without it, fails to, or its last flush failed, the
+        snapshots stay for a restarted job (or ``ftmem clean``). A second call does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -263,6 +261,7 @@ class SnapshotEngine:
             if self.everyone_agrees(job_finished):
                 self._smp.finish(self.rank)
             self._smp.close()
+            destroy_groups(self.job_group, self._finish_group, self.dp_peers.group, getattr(self._column, "pg", None))
 
     def everyone_agrees(self, finished: bool) -> bool:
         """Whether every rank of the job says ``finished`` (collective, bounded by

@@ -74,3 +74,12 @@ def make_dp_groups(layout: ParallelLayout, rank: int):
         if rank in group:
             mine = pg
     return mine
+
+
+def destroy_groups(*groups: Optional[dist.ProcessGroup]) -> None:
+    """Destroy these groups (None skipped) while the interpreter is alive: a gloo group left
+    for interpreter shutdown may still hold work whose release then aborts the process
+    ("terminate called without an active exception", seen at exits of ftmem jobs)."""
+    for group in groups:
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
