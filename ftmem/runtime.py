@@ -145,7 +145,11 @@ class AdapterRuntime:
     def agree(self, problem: Optional[str]) -> Optional[str]:
         """Every rank's verdict on its own part of a restore; the first problem any rank
         has. All ranks must take the same path (memory or disk) or the next collective hangs."""
-        return next((p for p in gather_objects(problem, self.engine.job_group) if p is not None), None)
+        return next((p for p in self.gather(problem) if p is not None), None)
+
+    def gather(self, obj: Any) -> list:
+        """Every rank's ``obj``, by rank (collective over the job, on its gloo group)."""
+        return gather_objects(obj, self.engine.job_group)
 
     def refuse_memory(self, problem: str, disk_version: Optional[int]) -> Resumption:
         """Memory holds a version this job cannot use (another layout, model or args):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
-import pickle
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -28,11 +28,10 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, ParallelLayout, check_startup, flushed,
-                   gather_dp_groups, write_atomically)
+                   gather_dp_groups, save_atomically)
 
 from .format import DeepSpeedFormat
-
-STUB_MAGIC = "ftmem in-memory checkpoint stub"
+from .stub import is_stub, read_stub, write_stub
 
 # DeepSpeed's own types in the state it hands a checkpoint engine. ftmem loads a snapshot's
 # skeleton only with admitted types (the list torch.load(weights_only=True) uses); these
@@ -43,20 +42,6 @@ torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler, ZeroStageEn
 def file_key(path: str) -> str:
     """A checkpoint file's name relative to the save dir: ``<tag>/<file>``."""
     return os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
-
-
-def read_stub(path: str) -> dict:
-    with open(path, "rb") as f:
-        return pickle.loads(f.read()[len(STUB_MAGIC):])
-
-
-def is_stub(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(STUB_MAGIC))
-        return head == STUB_MAGIC.encode()
-    except OSError:
-        return False
 
 
 def apply_map_location(obj: Any, map_location) -> Any:
@@ -101,6 +86,8 @@ def parallel_layout(zero_stage: int) -> ParallelLayout:
 class FtmemCheckpointEngine(CheckpointEngine):
     """Selected by ``"checkpoint": {"engine": "ftmem"}``; configured by the ``"ftmem"`` section."""
 
+    _live: "weakref.WeakSet[FtmemCheckpointEngine]" = weakref.WeakSet()  # for DeepSpeed's own file readers
+
     def __init__(self, config_params=None, zero_stage: int = 0):
         super().__init__(config_params)
         self.name = "ftmem"
@@ -118,42 +105,54 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._restored: Optional[dict] = None
         self._restore_tried = False
         self._disk_dir: Optional[str] = None  # the persisted checkpoint a restart fell back to
+        self._dir: Optional[str] = None  # the save dir: the job's origin
+        FtmemCheckpointEngine._live.add(self)
 
     # -- DeepSpeed's interface ----------------------------------------------------------
     def _start(self, save_dir: str) -> AdapterRuntime:
         """The rank's runtime, started at DeepSpeed's first save or load (collective: all
         ranks save and load together)."""
         if self.runtime is None:
+            self._dir = save_dir
             persist = self.config.persist
             self.runtime = AdapterRuntime(self.config, self._layout, self.format, save_dir, persist.dir,
                                           persist.interval, persist.keep)
         return self.runtime
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        self._start(info.save_dir)
+        # The runtime starts at commit: only then is it known whether this is a checkpoint
+        # (whose save dir is the job's origin) or an export to some other directory.
         self._files, self._replicated = {}, set()
 
     def makedirs(self, path, exist_ok=False) -> None:
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict, path: str) -> None:
-        key = file_key(path)
-        self._files[key] = state_dict
+        self._files[path] = state_dict
         if self._holds_replicated_module(state_dict):
             # Module weights (and, without ZeRO, the optimizer) are the same on every
             # DP replica: each replica keeps only its slice of them.
             for part in ("module", "optimizer") if self.zero_stage == 0 else ("module",):
                 self._replicated |= {id(t) for t in _tensors(state_dict.get(part))}
-        metadata = {k: v for k, v in state_dict.items() if not _tensors(v)} if isinstance(state_dict, dict) else {}
-        stub = pickle.dumps({"tag_file": key, "job": self.runtime.engine.identity.job, "metadata": metadata})
-        write_atomically(path, STUB_MAGIC.encode() + stub)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """Start the snapshot of everything saved since ``create``; returns at once."""
-        version = self._version()
-        replicated = self._replicated
-        self.runtime.save({"files": self._files, "tag": info.tag}, version, replicated=lambda t: id(t) in replicated)
+        """Start the snapshot of everything saved since ``create`` (its files become stubs);
+        returns at once. Files of no global step are an export, not a checkpoint
+        (``save_16bit_model``: one file on rank 0, nothing on the others): written for real,
+        as the default engine writes them, and not snapshotted."""
+        files, replicated = self._files, self._replicated
         self._files, self._replicated = {}, set()
+        if not _global_steps(files):
+            for path, state_dict in files.items():
+                save_atomically(state_dict, path)
+            return True
+        version = self._version(files)
+        runtime = self._start(info.save_dir)
+        for path, state_dict in files.items():
+            metadata = {k: v for k, v in state_dict.items() if not _tensors(v)} if isinstance(state_dict, dict) else {}
+            write_stub(path, file_key(path), runtime.engine.identity.job, metadata)
+        runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()}, "tag": info.tag},
+                     version, replicated=lambda t: id(t) in replicated)
         return True
 
     def load(self, path: str, map_location=None):
@@ -201,6 +200,23 @@ class FtmemCheckpointEngine(CheckpointEngine):
                                               f"checkpoint that neither memory nor the persistent tier holds")
         return None
 
+    @classmethod
+    def files_of_every_rank(cls, checkpoint_dir: str, tag: Optional[str]) -> Optional[tuple[str, dict]]:
+        """For DeepSpeed's own readers of ``checkpoint_dir`` (see :mod:`ftmem_deepspeed.serve`):
+        ``(tag, {path: what the file held})`` for every rank's files of the version this
+        process's engine restored from memory there (collective: every rank calls it);
+        None where no engine restored from memory there, or ``tag`` names another version
+        (the readers then meet the stubs, which say what they are)."""
+        engines = [e for e in cls._live if e._restored is not None and
+                   os.path.realpath(e._dir) == os.path.realpath(checkpoint_dir)]
+        if len(engines) != 1 or tag not in (None, engines[0]._restored["tag"]):
+            return None
+        restored = engines[0]._restored
+        mine = {key: state for key, state in restored["files"].items() if os.path.dirname(key) == restored["tag"]}
+        every_rank = engines[0].runtime.gather(mine)
+        return restored["tag"], {os.path.join(checkpoint_dir, key): state for files in every_rank
+                                 for key, state in files.items()}
+
     def wait_reusable(self) -> None:
         """Before the optimizer writes the state again: the snapshot's copy must be done."""
         if self.runtime is not None:
@@ -216,10 +232,12 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if self.runtime is not None:
             self.runtime.wait_flushed()
 
-    def _version(self) -> int:
-        steps = {sd.get("global_steps") for sd in self._files.values() if isinstance(sd, dict)} - {None}
+    @staticmethod
+    def _version(files: dict) -> int:
+        steps = _global_steps(files)
         if len(steps) != 1:
-            raise FtmemError(f"cannot tell the global step of this checkpoint (found {sorted(steps)}).")
+            raise FtmemError(f"cannot tell the global step of this checkpoint: its files name global steps "
+                             f"{sorted(steps)}.")
         return int(steps.pop())
 
     def _holds_replicated_module(self, state_dict) -> bool:
@@ -268,6 +286,11 @@ def _read_latest(load_dir: str) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _global_steps(files: dict) -> set:
+    """The global steps a checkpoint's files name (DeepSpeed puts one in every rank's model states)."""
+    return {sd.get("global_steps") for sd in files.values() if isinstance(sd, dict)} - {None}
 
 
 def _tensors(obj) -> list:

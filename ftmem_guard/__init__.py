@@ -123,3 +123,20 @@ def arm() -> None:
     except Exception as e:
         warnings.warn(f"ftmem_guard could not arm ({e!r}); \"engine\": \"ftmem\" now needs "
                       f"`import {ADAPTER}` to take effect.")
+
+
+class FtmemStubFile(RuntimeError):
+    """A DeepSpeed checkpoint file that ftmem wrote as a stub was read as a real one."""
+
+
+def ftmem_in_memory_checkpoint_stub(info: dict):
+    """What a stub file unpickles to outside ftmem's DeepSpeed engine: this error. A stub
+    is a valid torch archive whose pickle calls this (see ftmem_deepspeed.stub), so
+    ``torch.load`` of it, by DeepSpeed's own file readers (zero_to_fp32, ...) or by a
+    user, says what the file is and how to get real files, not ``invalid load key``."""
+    job = info.get("job", "J")
+    raise FtmemStubFile(
+        f"{info.get('tag_file', 'this file')} is a stub of ftmem's in-memory checkpoint of job {job}: its data "
+        f"is in the job's shared memory, and only DeepSpeed's load_checkpoint with the ftmem engine reads it. For "
+        f"real checkpoint files, run `ftmem export --job {job} --out DIR` while the job's memory is held, or set "
+        f"ftmem's persistent tier (\"persist\" in the \"ftmem\" config), which writes them in the background.")

@@ -2,9 +2,11 @@
 engine, which only the JSON config names (tests/test_deepspeed_json_switch.py).
 
     python -m tests.stock_deepspeed_train --config CONFIG.json --save-dir DIR --iters N --out DIR
+        [--save-16bit DIR]
 
 Each step's loss (as float hex) and the final weights go to ``--out``; it saves after
-every step and, when ``--save-dir`` holds a checkpoint, resumes from it.
+every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the end,
+``--save-16bit`` exports the model with ``engine.save_16bit_model``.
 """
 import argparse
 import json
@@ -24,6 +26,7 @@ def main() -> None:
     p.add_argument("--save-dir", required=True)
     p.add_argument("--iters", type=int, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--save-16bit", default=None)
     args = p.parse_args()
     with open(args.config) as f:
         config = json.load(f)
@@ -50,6 +53,8 @@ def main() -> None:
             engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1})
     torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()},
                os.path.join(args.out, f"rank{rank}.final.pt"))
+    if args.save_16bit:
+        print(f"rank {rank}: save_16bit_model returned {engine.save_16bit_model(args.save_16bit)}", flush=True)
 
 
 if __name__ == "__main__":

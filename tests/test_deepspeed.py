@@ -144,6 +144,89 @@ def test_the_json_alone_switches_ftmem_on_in_a_script_that_never_mentions_it(shm
     assert_same_training(str(tmp_path / "ftmem"), str(tmp_path / "reference"), world, iters)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_save_16bit_model_writes_a_real_file_equal_to_the_default_engine_s(stage, shm_dir, tmp_path):
+    """save_16bit_model is an export, not a snapshot: its model.pt is a real file, as the
+    default engine writes it (it used to fail: 'cannot tell the global step')."""
+    with open(os.path.join(CONFIGS, f"zero{stage}.json")) as f:
+        config = json.load(f)
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    config["ftmem"].update(shm_dir=shm_dir, ec={"k": 1, "m": 1})
+    stock = {k: v for k, v in config.items() if k not in ("checkpoint", "ftmem")}
+    world, exported = 2, {}
+    for name, cfg, env in (("reference", stock, STOCK_ENV), ("ftmem", config, ENV)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+        out = tmp_path / name
+        run = LocalJob("tests.stock_deepspeed_train", ["--config", str(tmp_path / f"{name}.json"), "--save-dir",
+                                                      str(out / "ckpt"), "--iters", "3", "--out", str(out),
+                                                      "--save-16bit", str(out / "export")], world, job_id(),
+                       str(out), env=env)
+        assert run.wait(TIMEOUT) == [0] * world, run.log(0)[-5000:]
+        assert all("save_16bit_model returned True" in run.log(r) for r in range(world)), run.log(0)[-3000:]
+        path = str(out / "export" / "pytorch_model.bin")
+        assert not is_stub(path)
+        exported[name] = torch.load(path, weights_only=True)
+    assert is_stub(str(tmp_path / "ftmem" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt")
+                   if stage < 3 else str(tmp_path / "ftmem" / "ckpt" / "global_step3" /
+                                         "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+    mine, theirs = exported["ftmem"], exported["reference"]
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_zero3_load_without_optimizer_states_is_served_from_memory_bitwise(shm_dir, tmp_path):
+    """ZeRO-3 load_checkpoint(..., load_optimizer_states=False) rebuilds the weights with
+    zero_to_fp32, which reads every rank's files itself: from ftmem's stubs, it is served
+    every rank's files of the version restored from memory. The loaded weights are those
+    the default engine's files give, and those the job saved."""
+    world, loaded = 2, {}
+    for name, ftmem in (("stock", None), ("ftmem", {"ec": {"k": 1, "m": 1}})):
+        job = DSJob("zero3.json", world, shm_dir, str(tmp_path / name), ftmem=ftmem, stock=ftmem is None)
+        job.args[job.args.index("--iters") + 1] = "3"
+        assert job.run() == [0] * world, job.log(0)[-3000:]
+        for rank in range(world):  # the weights the job trained to, before a reload overwrites them
+            os.replace(os.path.join(job.out, f"rank{rank}.final.pt"), os.path.join(job.out, f"rank{rank}.saved.pt"))
+        assert job.run("--load", "--no-optimizer-states") == [0] * world, job.log(0)[-3000:]
+        for rank in range(world):
+            assert "resuming at step 3 (client_state)" in job.log(rank), job.log(rank)[-3000:]
+            if ftmem:
+                assert logged(restored_from_memory(3, rank, "tag global_step3"), job.log(rank))
+            saved, got = (torch.load(os.path.join(job.out, f"rank{rank}.{kind}.pt")) for kind in ("saved", "final"))
+            assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
+            loaded[name, rank] = got
+    for rank in range(world):
+        mine, theirs = loaded["ftmem", rank], loaded["stock", rank]
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_reading_stubs_without_ftmem_says_what_they_are_and_how_to_get_real_files(shm_dir, tmp_path):
+    """zero_to_fp32 and a plain torch.load, in a process without ftmem's adapter, on the
+    save dir of a ZeRO-3 job with ftmem: one clear error each, never 'invalid load key'."""
+    job = DSJob("zero3.json", 2, shm_dir, str(tmp_path), ftmem={"ec": {"k": 1, "m": 1}})
+    job.args[job.args.index("--iters") + 1] = "2"
+    assert job.run() == [0, 0], job.log(0)[-3000:]
+    stub = os.path.join(job.save_dir, "global_step2", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    assert is_stub(stub)
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        for read in (lambda: torch.load({stub!r}, weights_only=False),
+                     lambda: get_fp32_state_dict_from_zero_checkpoint({job.save_dir!r})):
+            try:
+                read()
+            except Exception as e:
+                print(type(e).__name__, e)
+        print("modules:", sorted(m for m in sys.modules if m.startswith("ftmem") and m != "ftmem_guard"))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **ENV), capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len([line for line in lines if line.startswith("FtmemStubFile ")]) == 2, out.stdout
+    assert f"stub of ftmem's in-memory checkpoint of job {job.job}" in out.stdout
+    assert f"run `ftmem export --job {job.job} --out DIR`" in out.stdout
+    assert "modules: []" in lines, out.stdout
+
+
 def test_ftmem_selected_where_the_adapter_cannot_be_imported_is_refused_with_the_reason(shm_dir):
     """Stock DeepSpeed would ignore the unknown engine name and save with torch.save."""
     script = textwrap.dedent(f"""

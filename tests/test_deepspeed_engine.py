@@ -1,7 +1,10 @@
 """Pieces of the DeepSpeed adapter that need no running job."""
+import pytest
 import torch
 
-from ftmem_deepspeed.checkpoint_engine import STUB_MAGIC, apply_map_location, file_key, is_stub
+from ftmem_deepspeed.checkpoint_engine import apply_map_location, file_key
+from ftmem_deepspeed.stub import is_stub, read_stub, write_stub
+from ftmem_guard import FtmemStubFile
 
 
 def test_map_location_as_string_device_or_callable():
@@ -17,10 +20,21 @@ def test_map_location_as_string_device_or_callable():
     assert cloned["a"].stride() == t.stride() and cloned["a"].storage_offset() == t.storage_offset()
 
 
-def test_stub_files_are_told_apart_from_real_checkpoints(tmp_path):
-    real, stub = tmp_path / "global_step3" / "real.pt", tmp_path / "global_step3" / "stub.pt"
+def test_stub_files_are_told_apart_from_real_checkpoints_and_say_what_they_are(tmp_path):
+    real, stub, other = (tmp_path / "global_step3" / name for name in ("real.pt", "stub.pt", "other.bin"))
     real.parent.mkdir()
-    torch.save({"module": {}}, real)
-    stub.write_bytes(STUB_MAGIC.encode() + b"...")
-    assert not is_stub(str(real)) and is_stub(str(stub))
+    torch.save({"module": {"w": torch.ones(3)}, "param_shapes": [{"w": torch.Size([3])}]}, real)
+    metadata = {"global_steps": 3, "param_shapes": [{"w": torch.Size([3])}]}
+    write_stub(str(stub), "global_step3/stub.pt", "job-a", metadata)
+    other.write_bytes(b"not a torch archive")
+    assert is_stub(str(stub)) and not is_stub(str(real)) and not is_stub(str(other))
+    assert not is_stub(str(tmp_path / "missing.pt"))
+    assert read_stub(str(stub)) == {"tag_file": "global_step3/stub.pt", "job": "job-a", "metadata": metadata}
+    with pytest.raises(ValueError, match="is not an ftmem stub"):
+        read_stub(str(real))
     assert file_key(str(real)) == "global_step3/real.pt"
+    # Read as a checkpoint file, with torch's default weights_only or without it: what it is.
+    for weights_only in (True, False):
+        with pytest.raises(FtmemStubFile, match=r"global_step3/stub.pt is a stub of ftmem's in-memory checkpoint of "
+                                                r"job job-a: .* `ftmem export --job job-a --out DIR`"):
+            torch.load(stub, weights_only=weights_only)

@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--save-interval", type=int, default=1)
     p.add_argument("--load", action="store_true", help="resume with engine.load_checkpoint(save_dir)")
+    p.add_argument("--no-optimizer-states", action="store_true",
+                   help="with --load: load_checkpoint(save_dir, load_optimizer_states=False), the module only")
     p.add_argument("--out", default=None, help="write per-rank losses and final weights here")
     p.add_argument("--stop-after", type=int, default=None)
     p.add_argument("--hidden", type=int, default=64)
@@ -125,7 +127,8 @@ def main(argv=None) -> None:
 
     start = 0
     if args.load:
-        path, client_state = engine.load_checkpoint(args.save_dir)
+        path, client_state = engine.load_checkpoint(args.save_dir,
+                                                    load_optimizer_states=not args.no_optimizer_states)
         if path:
             start = client_state["next_step"]
             print(f"rank {rank}: resuming at step {start} (client_state), global step {engine.global_steps}",

@@ -1,0 +1,97 @@
+"""The stub files ftmem writes where DeepSpeed writes checkpoint files.
+
+A stub keeps ``load_checkpoint``'s ``latest``/glob/exists checks working and carries its
+file's tensor-free top-level entries (``mp_world_size``, ``global_steps``, ...), which
+DeepSpeed reads from files other ranks hold. Its data is in shared memory.
+
+A stub is a valid torch archive (``torch.save``) of one call:
+``ftmem_guard.ftmem_in_memory_checkpoint_stub(info)``. Read by anything but this module
+(``torch.load`` in DeepSpeed's own file readers such as zero_to_fp32, or in a user's
+script), that call raises ``FtmemStubFile``, which says what the file is and how to get
+real files. This module reads the call's argument instead of making it.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+
+import torch
+
+import ftmem_guard
+from ftmem import write_atomically
+
+_STUB_GLOBAL = (ftmem_guard.__name__, ftmem_guard.ftmem_in_memory_checkpoint_stub.__name__)
+
+# Under torch.load(weights_only=True) too (torch's default), a stub read in this process
+# raises the clear error rather than torch's "unsupported global" advice.
+torch.serialization.add_safe_globals([ftmem_guard.ftmem_in_memory_checkpoint_stub])
+
+
+class _Stub:
+    def __init__(self, info: dict):
+        self.info = info
+
+    def __reduce__(self):
+        return ftmem_guard.ftmem_in_memory_checkpoint_stub, (self.info,)
+
+
+def write_stub(path: str, tag_file: str, job: str, metadata: dict) -> None:
+    # Every DP replica writes the same model-states stub: each under a temporary name of its own.
+    stub = io.BytesIO()
+    torch.save(_Stub({"tag_file": tag_file, "job": job, "metadata": metadata}), stub)
+    write_atomically(path, stub.getvalue())
+
+
+class _NotAStub(Exception):
+    pass
+
+
+class _IsStub(Exception):
+    pass
+
+
+def _unpickler(whole: bool):
+    """An unpickler module for torch.load that returns a stub's info instead of raising.
+    It looks no further than the first global: a stub's is the call, and a real
+    checkpoint's comes before any of its data. With ``whole`` False, that settles it."""
+    class Unpickler(pickle.Unpickler):
+        seen_stub = False
+
+        def find_class(self, module, name):
+            if (module, name) == _STUB_GLOBAL:
+                if not whole:
+                    raise _IsStub
+                self.seen_stub = True
+                return lambda info: info
+            if not self.seen_stub:
+                raise _NotAStub
+            return super().find_class(module, name)
+
+    class Module:
+        pass
+
+    Module.Unpickler, Module.load = Unpickler, pickle.load
+    Module.__name__ = "ftmem_stub_reader"
+    return Module
+
+
+def _load(path: str, whole: bool):
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_unpickler(whole))
+
+
+def read_stub(path: str) -> dict:
+    """A stub's info: ``tag_file``, ``job`` and ``metadata``; ValueError if ``path`` is none."""
+    try:
+        return _load(path, whole=True)
+    except _NotAStub:
+        raise ValueError(f"{path} is not an ftmem stub") from None
+
+
+def is_stub(path: str) -> bool:
+    try:
+        _load(path, whole=False)
+    except _IsStub:
+        return True
+    except Exception:  # a real checkpoint (_NotAStub), no torch archive, unreadable: no stub
+        return False
+    return False  # a torch archive that names no global
