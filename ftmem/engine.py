@@ -264,13 +264,14 @@ class SnapshotEngine:
             destroy_groups(self.job_group, self._finish_group, self.dp_peers.group, getattr(self._column, "pg", None))
 
     def everyone_agrees(self, finished: bool) -> bool:
-        """Whether every rank of the job says ``finished`` (collective, bounded by
-        FINISH_TIMEOUT_S; False if a rank does not answer). Memory is freed only on a
-        job-wide agreement, never because one rank or node ended, so a rank that died in
-        the teardown keeps the job's versions."""
+        """Whether every rank of the job says ``finished`` (collective, bounded by FINISH_TIMEOUT_S;
+        False if a rank does not answer). Memory is freed only on a job-wide agreement, never
+        because one rank or node ended, so a rank that died in the teardown keeps the versions."""
         if self._finish_group is None:
             return finished
-        vote = torch.tensor([int(finished)], dtype=torch.int64)
+        # Kept: often the job's last collective. Were gloo's worker to drop its tensor's last reference
+        # during interpreter shutdown, it would take the GIL then and abort (pytorch/pytorch#190489).
+        self._vote = vote = torch.tensor([int(finished)], dtype=torch.int64)
         try:
             dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._finish_group)
         except Exception as e:  # a rank died, or the process groups were destroyed first

@@ -32,8 +32,14 @@ import torch
 from ftmem import FrameworkFormat, FtmemError, save_atomically
 
 from .arguments import in_memory
+from .sharded_state import Place
 from .torch_checkpoint import (MODEL_FILENAME, checkpoint_content, iteration_dir, model_state, own_rng_state,
                                rank_dir_name, rng_state, set_rng_state, write_tracker)
+
+# Places ride in every snapshot's skeleton, which ftmem loads only with admitted types (the
+# list torch.load(weights_only=True) uses): admitted wherever this format is loaded, the
+# training job and `ftmem export` alike. A Place holds strings and tuples only.
+torch.serialization.add_safe_globals([Place])
 
 
 def flushes_from_memory(args) -> bool:

@@ -46,11 +46,6 @@ class Place:
                    None if flat is None else (flat.start, flat.stop), str(sharded.dtype))
 
 
-# Places ride in every snapshot's skeleton, which ftmem loads only with admitted types
-# (the list torch.load(weights_only=True) uses). A Place holds strings and tuples only.
-torch.serialization.add_safe_globals([Place])
-
-
 def _path(path: tuple) -> str:
     return "/".join(str(p) for p in path)
 
