@@ -222,3 +222,19 @@ class FtmemConfig(_Section):
     def from_dict(cls, section: Optional[Mapping[str, Any]]) -> "FtmemConfig":
         """Parse the ``"ftmem"`` section of a user config; ``None`` gives the defaults."""
         return cls.parse(section)
+
+
+def seconds_from_env(name: str, default: float, minimum: float, what: str) -> float:
+    """A duration an environment variable may set (tuning, not job config): ``name``'s
+    value in seconds, at least ``minimum``; ``default`` when it is unset. ``what`` says
+    what the seconds are, for the error a bad value gets."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= minimum:  # NaN fails too
+        raise ConfigError(f"{name}={raw!r}: give {what}, in seconds (at least {minimum:g}).")
+    return value

@@ -44,7 +44,8 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from typing import Iterator
 
-from .errors import ConfigError, FtmemError
+from .config import seconds_from_env
+from .errors import FtmemError
 from .private import check_private_dir, open_private, read_private, unlink_if_present, write_atomically, write_new
 from .procs import pid_alive, process_start
 from .allocation import allocate
@@ -78,17 +79,9 @@ def smp_address(node_dir: str, key: bytes) -> str:
 
 def smp_grace_s() -> float:
     """How long an SMP whose ranks are all gone waits for one to come back: FTMEM_SMP_GRACE_S, else GRACE_S."""
-    raw = os.environ.get(GRACE_ENV)
-    if raw is None:
-        return GRACE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ConfigError(f"{GRACE_ENV}={raw!r}: give the seconds (> 0) an SMP waits for a rank of its job to come "
-                          f"back once none runs, before it exits (its node's versions stay for a restart).")
-    return value
+    return seconds_from_env(GRACE_ENV, GRACE_S, minimum=0.1,
+                            what="the time an SMP waits for a rank of its job to come back once none runs, before "
+                                 "it exits (its node's versions stay for a restart)")
 
 
 def send_message(conn: Connection, msg: tuple) -> None:

@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from typing import Iterator, Optional
 
 from . import errors
+from .config import seconds_from_env
 from .logs import log
 from .private import (check_private_dir, open_private, private_dir, read_private, unlink_if_present,
                       write_atomically, write_new)
@@ -65,17 +66,9 @@ _spawned: list[subprocess.Popen] = []
 
 def smp_timeout_s() -> float:
     """How long a rank waits for a word from its SMP: FTMEM_SMP_TIMEOUT_S, else SMP_TIMEOUT_S."""
-    raw = os.environ.get(SMP_TIMEOUT_ENV)
-    if raw is None:
-        return SMP_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not value >= 2 * KEEPALIVE_S:
-        raise errors.ConfigError(f"{SMP_TIMEOUT_ENV}={raw!r}: give seconds, at least {2 * KEEPALIVE_S:g} (a busy "
-                                 f"SMP says it is alive every {KEEPALIVE_S:g} s).")
-    return value
+    # A busy SMP says it is alive every KEEPALIVE_S.
+    return seconds_from_env(SMP_TIMEOUT_ENV, SMP_TIMEOUT_S, minimum=2 * KEEPALIVE_S,
+                            what="the time a rank waits for a word from its SMP")
 
 
 def running_smp(node_dir: str) -> Optional[int]:

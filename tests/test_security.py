@@ -380,5 +380,5 @@ def test_an_smp_whose_rank_is_gone_exits_after_the_grace_keeping_versions(shm_di
 
 def test_a_bad_grace_is_refused_by_the_rank(shm_dir, monkeypatch):
     monkeypatch.setenv("FTMEM_SMP_GRACE_S", "soon")
-    with pytest.raises(ConfigError, match="FTMEM_SMP_GRACE_S='soon': give the seconds"):
+    with pytest.raises(ConfigError, match="FTMEM_SMP_GRACE_S='soon': give the time an SMP waits"):
         make_engine(shm_dir)
