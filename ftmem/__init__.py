@@ -5,7 +5,7 @@ the engine's parts (see the README's architecture section) and may change.
 """
 from .config import DP_SHARD_CHOICES, FtmemConfig
 from .engine import SnapshotEngine
-from .errors import (ConfigError, CorruptShard, FtmemError, JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion,
+from .errors import (CollectiveNotJoined, ConfigError, CorruptShard, FtmemError, JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion,
                      NotRecoverableFromMemory, ShmBudgetError, SmpError, UnadmittedType, UnsafeSharedMemory,
                      UnsupportedTensor)
 from .format import FrameworkFormat
@@ -18,6 +18,7 @@ from .restore import Restored
 from .rng import rng_states, set_rng_states
 from .runtime import DISK, MEMORY, SCRATCH, AdapterRuntime, Resumption, check_startup
 from .private import write_atomically
+from .rendezvous import everyone_joins
 
 __all__ = [
     # the engine, for applications
@@ -25,11 +26,11 @@ __all__ = [
     "rng_states", "set_rng_states",
     # the adapter seam and runtime
     "FrameworkFormat", "AdapterRuntime", "Resumption", "MEMORY", "DISK", "SCRATCH", "check_startup",
-    "gather_dp_groups", "flushed", "save_atomically", "write_atomically",
+    "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins",
     # logging and the contract lines
     "job_info", "rank_info", "restored_from_memory", "restored_from_disk",
     # errors
     "FtmemError", "ConfigError", "CorruptShard", "LayoutMismatch", "NoRecoverableVersion", "NotRecoverableFromMemory",
     "ShmBudgetError", "SmpError", "UnsupportedTensor", "UnadmittedType", "UnsafeSharedMemory", "ForeignVersions",
-    "JobAlreadyRunning",
+    "JobAlreadyRunning", "CollectiveNotJoined",
 ]

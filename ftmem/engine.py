@@ -240,6 +240,13 @@ class SnapshotEngine:
         self.wait()  # a save in flight commits first
         return self._restorer.restore(version, torch.device(device))
 
+    def read(self, version: int, device: Union[str, torch.device] = "cpu") -> Optional[Restored]:
+        """A held version's state, rebuilt where a rank lost it, for reading: as
+        :meth:`restore` of that version (collective), but newer versions stay held. For
+        a framework's tools that read a checkpoint the job has not resumed from."""
+        self.wait()
+        return self._restorer.restore(version, torch.device(device), drop_newer=False)
+
     # -- end --------------------------------------------------------------------
     def close(self, job_finished: bool = False) -> None:
         """Finish the save in flight, let go of the slots and of ftmem's gloo groups

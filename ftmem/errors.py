@@ -55,3 +55,7 @@ class UnsafeSharedMemory(FtmemError):
 
 class UnadmittedType(FtmemError, TypeError):
     """A state holds an object of a type that a snapshot's skeleton does not admit."""
+
+
+class CollectiveNotJoined(FtmemError):
+    """A collective (a read of every rank's snapshot) that some ranks did not join in time."""

@@ -80,8 +80,9 @@ class Restorer:
                 self.store.drop_parity(v)
         return data, parity
 
-    def restore(self, version: Optional[int], device: torch.device) -> Optional[Restored]:
-        """See :meth:`ftmem.SnapshotEngine.restore`."""
+    def restore(self, version: Optional[int], device: torch.device, drop_newer: bool = True) -> Optional[Restored]:
+        """See :meth:`ftmem.SnapshotEngine.restore` (and :meth:`~ftmem.SnapshotEngine.read`:
+        ``drop_newer`` False)."""
         data, parity = self.intact()
         held = gather_objects(({v: r.plan.nbytes for v, r in data.items()},
                                {v: Geometry.of(p) for v, (p, _) in parity.items()}), self._gloo)
@@ -107,7 +108,8 @@ class Restorer:
             raise LayoutMismatch(f"version {chosen} was saved under another parallel layout ({mismatch}). "
                                  f"Restart with the layout it was saved with, or restore from a disk checkpoint.")
         state = self.read_version(record, self.memory.bytes_of(record.slot), device)
-        self.store.drop_from(chosen + 1)
+        if drop_newer:
+            self.store.drop_from(chosen + 1)
         return Restored(version=chosen, state=state, rebuilt=self.rank in to_rebuild)
 
     def read_version(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device) -> Any:

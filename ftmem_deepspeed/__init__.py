@@ -14,10 +14,10 @@ all three native, for those who keep a DeepSpeed fork; the import then changes n
   (:meth:`FtmemCheckpointEngine.resume_point`) instead of trusting ``latest``, which
   DeepSpeed writes before the snapshot is committed, and not atomically.
 
-And one that the patch does not make native: zero_to_fp32's
-``get_fp32_state_dict_from_zero_checkpoint``, which DeepSpeed's ZeRO-3 load without
-optimizer states calls and which reads every rank's files itself, is served from the
-version restored from memory (:mod:`ftmem_deepspeed.serve`).
+And one that the patch does not make native: ``torch.load`` of a stub in a live engine's
+save dir is served from memory (:mod:`ftmem_deepspeed.serve`), for the DeepSpeed paths
+and user scripts that read checkpoint files themselves (zero_to_fp32, ZeRO-3 loads
+without optimizer states, a model-states file loaded by path).
 """
 from __future__ import annotations
 
@@ -25,17 +25,16 @@ import functools
 
 import deepspeed.runtime.checkpoint_engine.utils as ds_utils
 import deepspeed.runtime.engine as ds_engine
-import deepspeed.utils.zero_to_fp32 as zero_to_fp32
 
 from ftmem_guard import selects_ftmem
 
 from .checkpoint_engine import FtmemCheckpointEngine
-from .serve import install_torch_load_hook, serve_from_memory
+from .serve import install_torch_load_hook
 
 
 def install() -> None:
-    """Install the hooks (idempotent; on a DeepSpeed with the patch, only the readers' one)."""
-    serve_deepspeeds_own_readers()
+    """Install the hooks (idempotent; on a DeepSpeed with the patch, only the torch.load one)."""
+    install_torch_load_hook()
     if getattr(ds_engine.create_checkpoint_engine, "_ftmem", False) or getattr(ds_utils, "FTMEM_NATIVE", False):
         return
     stock_factory = ds_engine.create_checkpoint_engine
@@ -73,17 +72,6 @@ def install() -> None:
     ds_engine.DeepSpeedEngine.load_checkpoint = load_checkpoint
 
 
-def serve_deepspeeds_own_readers() -> None:
-    """DeepSpeed's own reader of every rank's files (ZeRO-3 loads without optimizer states,
-    in-process zero_to_fp32), imported by name into the engine module, is served from
-    memory; the patch does not cover it (idempotent)."""
-    install_torch_load_hook()
-    for module in (ds_engine, zero_to_fp32):
-        if not getattr(module.get_fp32_state_dict_from_zero_checkpoint, "_ftmem", False):
-            module.get_fp32_state_dict_from_zero_checkpoint = serve_from_memory(
-                module.get_fp32_state_dict_from_zero_checkpoint, FtmemCheckpointEngine.files_of_every_rank)
-
-
 install()
 
-__all__ = ["FtmemCheckpointEngine", "install", "serve_deepspeeds_own_readers"]
+__all__ = ["FtmemCheckpointEngine", "install"]

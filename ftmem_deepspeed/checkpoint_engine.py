@@ -16,6 +16,7 @@ the first stage's model-states file on every stage), never their tensors.
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import weakref
 from typing import Any, Optional
@@ -28,7 +29,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, ParallelLayout, check_startup, flushed,
-                   gather_dp_groups, save_atomically)
+                   everyone_joins, gather_dp_groups, save_atomically)
 
 from .format import DeepSpeedFormat
 from .stub import is_stub, read_stub, write_stub
@@ -46,11 +47,12 @@ def file_key(path: str) -> str:
 
 def apply_map_location(obj: Any, map_location) -> Any:
     """What ``torch.load(map_location=...)`` would have done to restored CPU tensors:
-    a device or string moves them; a callable gets each storage, as torch.load calls it."""
-    if map_location is None:
-        return obj
-
+    a device or string moves them; a callable gets each storage, as torch.load calls it.
+    Containers are always new, as torch.load's are: callers may change what they get (a
+    restored or served state is handed out more than once)."""
     def move(t: torch.Tensor) -> torch.Tensor:
+        if map_location is None:
+            return t
         if callable(map_location):
             storage = map_location(t.untyped_storage(), "cpu")
             if storage is t.untyped_storage():
@@ -86,7 +88,9 @@ def parallel_layout(zero_stage: int) -> ParallelLayout:
 class FtmemCheckpointEngine(CheckpointEngine):
     """Selected by ``"checkpoint": {"engine": "ftmem"}``; configured by the ``"ftmem"`` section."""
 
-    _live: "weakref.WeakSet[FtmemCheckpointEngine]" = weakref.WeakSet()  # for DeepSpeed's own file readers
+    # Engines of this process, newest last, for reads of their files by path (serve.py).
+    _live: "weakref.WeakValueDictionary[int, FtmemCheckpointEngine]" = weakref.WeakValueDictionary()
+    _created = itertools.count()
 
     def __init__(self, config_params=None, zero_stage: int = 0):
         super().__init__(config_params)
@@ -106,7 +110,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._restore_tried = False
         self._disk_dir: Optional[str] = None  # the persisted checkpoint a restart fell back to
         self._dir: Optional[str] = None  # the save dir: the job's origin
-        FtmemCheckpointEngine._live.add(self)
+        self._served: Optional[tuple[str, dict]] = None  # (tag, every rank's files) last read by path
+        FtmemCheckpointEngine._live[next(FtmemCheckpointEngine._created)] = self
 
     # -- DeepSpeed's interface ----------------------------------------------------------
     def _start(self, save_dir: str) -> AdapterRuntime:
@@ -141,7 +146,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         (``save_16bit_model``: one file on rank 0, nothing on the others): written for real,
         as the default engine writes them, and not snapshotted."""
         files, replicated = self._files, self._replicated
-        self._files, self._replicated = {}, set()
+        self._files, self._replicated, self._served = {}, set(), None
         if not _global_steps(files):
             for path, state_dict in files.items():
                 save_atomically(state_dict, path)
@@ -161,15 +166,15 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._start(os.path.dirname(os.path.dirname(path)))
         state = self._restore()
         key = file_key(path)
-        if state is not None and key not in state["files"] and state["tag"] == os.path.basename(os.path.dirname(path)):
-            return read_stub(path)["metadata"]  # another rank's file of the restored version
-        if state is None or key not in state["files"]:
-            raise FtmemError(
-                f"{path} is an ftmem stub and memory holds no version with it "
-                f"(held: {sorted(state['files']) if state else 'nothing'}). Load an older disk checkpoint "
-                f"(load_checkpoint(dir, tag=...)) or one written by the persistent tier."
-            )
-        return apply_map_location(state["files"][key], map_location)
+        if state is not None and key in state["files"]:
+            return apply_map_location(state["files"][key], map_location)
+        if state is not None and state["tag"] == _tag_of(path) and not _is_optimizer_file(key):
+            # Another rank's model states of the restored version: DeepSpeed reads only their
+            # tensor-free entries, and not on every rank (the pipeline engine's check).
+            return read_stub(path)["metadata"]
+        # Another rank's optimizer partition (the elastic loader reads them all, on every
+        # rank), or a version other than the one restored.
+        return apply_map_location(self.serve(path), map_location)
 
     def is_data_parallel_writer(self, dp_rank) -> bool:
         return True  # every DP replica snapshots its slice of the replicated state
@@ -201,21 +206,46 @@ class FtmemCheckpointEngine(CheckpointEngine):
         return None
 
     @classmethod
-    def files_of_every_rank(cls, checkpoint_dir: str, tag: Optional[str]) -> Optional[tuple[str, dict]]:
-        """For DeepSpeed's own readers of ``checkpoint_dir`` (see :mod:`ftmem_deepspeed.serve`):
-        ``(tag, {path: what the file held})`` for every rank's files of the version this
-        process's engine restored from memory there (collective: every rank calls it);
-        None where no engine restored from memory there, or ``tag`` names another version
-        (the readers then meet the stubs, which say what they are)."""
-        engines = [e for e in cls._live if e._restored is not None and
-                   os.path.realpath(e._dir) == os.path.realpath(checkpoint_dir)]
-        if len(engines) != 1 or tag not in (None, engines[0]._restored["tag"]):
-            return None
-        restored = engines[0]._restored
-        mine = {key: state for key, state in restored["files"].items() if os.path.dirname(key) == restored["tag"]}
-        every_rank = engines[0].runtime.gather(mine)
-        return restored["tag"], {os.path.join(checkpoint_dir, key): state for files in every_rank
-                                 for key, state in files.items()}
+    def serving(cls, path: str) -> Optional["FtmemCheckpointEngine"]:
+        """The newest started engine of this process whose save dir holds ``path`` as a
+        stub; None for any other path (torch reads it as usual)."""
+        checkpoint_dir = os.path.realpath(os.path.dirname(os.path.dirname(path)))
+        for _, engine in sorted(cls._live.items(), reverse=True):
+            if engine.runtime is not None and os.path.realpath(engine._dir) == checkpoint_dir:
+                return engine if is_stub(path) else None
+        return None
+
+    def serve(self, path: str) -> Any:
+        """What the default engine's file at ``path`` (a stub in the save dir) would hold,
+        from the version its tag names: the restored one, or any other that memory holds.
+        The file may be another rank's, so the first read of a version is a collective
+        (every rank's files of it are gathered; see :func:`ftmem.everyone_joins`)."""
+        tag = _tag_of(path)
+        if self._served is None or self._served[0] != tag:
+            self._served = None  # one version's files at a time
+            self._served = (tag, self._files_of_every_rank(tag, path))
+        files = self._served[1]
+        if file_key(path) not in files:
+            raise FtmemError(f"{path} is an ftmem stub, but no rank's snapshot of tag {tag!r} holds {file_key(path)} "
+                             f"(it holds {sorted(files)}).")
+        return files[file_key(path)]
+
+    def _files_of_every_rank(self, tag: str, path: str) -> dict:
+        everyone_joins(f"reading {path} from memory",
+                       "To read an ftmem checkpoint on some ranks only, or in another process, get real files first: "
+                       "`ftmem export`, or the persistent tier (\"persist\" in the \"ftmem\" config).")
+        if self._restored is not None and self._restored["tag"] == tag:
+            state = self._restored
+        else:
+            version = _version_of_tag(os.path.dirname(path))
+            restored = self.runtime.engine.read(version)
+            state = restored.state if restored is not None else None
+            if state is None or state["tag"] != tag:
+                raise FtmemError(f"{path} is a stub of version {version} (tag {tag!r}), which memory no longer holds "
+                                 f"(it holds {self.runtime.engine.versions()}). Load an older disk checkpoint or one "
+                                 f"written by the persistent tier.")
+        mine = {key: file for key, file in state["files"].items() if os.path.dirname(key) == tag}
+        return {key: file for files in self.runtime.gather(mine) for key, file in files.items()}
 
     def wait_reusable(self) -> None:
         """Before the optimizer writes the state again: the snapshot's copy must be done."""
@@ -277,6 +307,25 @@ class FtmemCheckpointEngine(CheckpointEngine):
         dist.broadcast_object_list(shared, src=source, group=self.runtime.dp_group)
         for key, state_dict in shared[0].items():
             files.setdefault(key, state_dict)
+
+
+def _tag_of(path: str) -> str:
+    return os.path.basename(os.path.dirname(path))
+
+
+def _is_optimizer_file(key: str) -> bool:
+    return "optim_states" in os.path.basename(key)
+
+
+def _version_of_tag(tag_dir: str) -> int:
+    """The version (global step) whose stubs ``tag_dir`` holds: DeepSpeed puts the step
+    in every model-states file."""
+    steps = {read_stub(f)["metadata"].get("global_steps") for f in glob.glob(os.path.join(tag_dir, "*.pt"))
+             if is_stub(f)} - {None}
+    if len(steps) != 1:
+        raise FtmemError(f"cannot tell which version the ftmem stubs in {tag_dir} are of (their global steps: "
+                         f"{sorted(steps)}).")
+    return int(steps.pop())
 
 
 def _read_latest(load_dir: str) -> str:

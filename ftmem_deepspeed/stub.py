@@ -75,8 +75,13 @@ def _unpickler(whole: bool):
     return Module
 
 
+# torch.load as it was before ftmem_deepspeed's hook (imported after this module): a
+# stub's own reads must not be served from memory.
+_stock_torch_load = torch.load
+
+
 def _load(path: str, whole: bool):
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_unpickler(whole))
+    return _stock_torch_load(path, map_location="cpu", weights_only=False, pickle_module=_unpickler(whole))
 
 
 def read_stub(path: str) -> dict:

@@ -30,11 +30,11 @@ class DSJob:
     section), or ``stock``: the same training with DeepSpeed's default checkpoint engine
     saving every step (``--checkpoint-engine default``: no "ftmem" section, no ftmem module)."""
 
-    def __init__(self, config, world, shm_dir, root, ftmem=None, stock=False):
+    def __init__(self, config, world, shm_dir, root, ftmem=None, stock=False, env=None):
         self.world, self.shm_dir, self.job = world, shm_dir, job_id()
         self.out, self.save_dir = os.path.join(root, "out"), os.path.join(root, "ckpt")
         os.makedirs(self.out, exist_ok=True)
-        self.env = STOCK_ENV if stock else ENV
+        self.env = {**(STOCK_ENV if stock else ENV), **(env or {})}
         engine = (["--checkpoint-engine", "default"] if stock
                   else ["--ftmem", json.dumps({"shm_dir": shm_dir, **(ftmem or {})})])
         self.args = ["--deepspeed-config", os.path.join(CONFIGS, config), "--save-dir", self.save_dir,
@@ -51,10 +51,10 @@ class DSJob:
         return LocalJob.read_log(self.out, rank)
 
 
-def reference(config, world, root):
+def reference(config, world, root, env=None):
     """An uninterrupted run without ftmem (DeepSpeed's default engine saving every
     step); the folder of its per-step losses and final weights."""
-    job = DSJob(config, world, None, root, stock=True)
+    job = DSJob(config, world, None, root, stock=True, env=env)
     assert job.run() == [0] * world, job.log(0)[-5000:]
     for rank in range(world):
         assert "checkpoint engine TorchCheckpointEngine" in job.log(rank), job.log(rank)[-3000:]
@@ -63,6 +63,25 @@ def reference(config, world, root):
         assert f.read() == f"global_step{ITERS}"  # the default engine saved every step
     return job.out
 
+
+
+def stock_script(root, name: str, config: dict, env: dict, world: int, job: str, iters: int, *extra) -> LocalJob:
+    """tests/stock_deepspeed_train.py (which never mentions ftmem) with ``config``, in
+    ``root/name``; saves into ``root/name/ckpt``."""
+    (root / f"{name}.json").write_text(json.dumps(config))
+    out = root / name
+    out.mkdir(exist_ok=True)
+    return LocalJob("tests.stock_deepspeed_train", ["--config", str(root / f"{name}.json"), "--save-dir",
+                                                   str(out / "ckpt"), "--iters", str(iters), "--out", str(out),
+                                                   *extra], world, job, str(out), env=env)
+
+
+def config_pair(name: str, shm_dir: str, **ftmem) -> tuple[dict, dict]:
+    """A config of configs/ with ftmem (its "ftmem" section updated), and without."""
+    with open(os.path.join(CONFIGS, name)) as f:
+        config = json.load(f)
+    config["ftmem"].update(shm_dir=shm_dir, **ftmem)
+    return config, {k: v for k, v in config.items() if k not in ("checkpoint", "ftmem")}
 
 
 @pytest.mark.parametrize("config, world, lost_node, ftmem", [
@@ -97,6 +116,37 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, 
     assert all(n["versions"][-1] == ITERS for n in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"])
 
 
+def test_an_elastic_zero1_checkpoint_resumes_as_deepspeed_s_elastic_loader_does(shm_dir, tmp_path):
+    """"elastic_checkpoint": true: DeepSpeed's elastic loader reads every DP rank's
+    optimizer partition, on every rank; with ftmem, the other ranks' are served from
+    memory. Both jobs stop after step 3 and are killed; ftmem's also loses a node. The
+    resumed training equals, bitwise, DeepSpeed's own elastic resume from its default
+    engine's files (that loader is not bitwise with uninterrupted training: it rebuilds
+    the optimizer state, and the second step after it differs; and DeepSpeed saves no
+    RNG state, hence no dropout here)."""
+    # DeepSpeed's own Adam (a torch optimizer keeps no step in its param groups, which the
+    # elastic loader needs) is JIT-built under a lock: in a directory of this test's own,
+    # so that no other test waits on a build (the ranks are killed only after it).
+    env, world = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}, 3
+    outs = {}
+    for name, stock in (("reference", True), ("ftmem", False)):
+        job = DSJob("zero1-elastic.json", world, shm_dir, str(tmp_path / name), stock=stock, env=env)
+        job.args += ["--dropout", "0"]
+        with job.start("--stop-after", str(STOP)) as run:
+            run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
+            run.kill_all()
+        if not stock:
+            jobs.lose_node(shm_dir, job.job, 1)
+        assert job.run("--load") == [0] * world, job.log(0)[-5000:]
+        for rank in range(world):
+            assert f"rank {rank}: resuming at step {STOP + 1} (client_state)" in job.log(rank), job.log(rank)[-3000:]
+            if not stock:
+                assert logged(restored_from_memory(STOP + 1, rank, f"tag global_step{STOP + 1}", rebuilt=rank == 1),
+                              job.log(rank))
+        outs[name] = job.out
+    assert_same_training(outs["ftmem"], outs["reference"], world, ITERS)
+
+
 @pytest.mark.parametrize("ftmem, message", [
     ({"ranks_per_nod": 1}, "unknown key 'ranks_per_nod' in the \"ftmem\" config. Did you mean 'ranks_per_node'?"),
     ({"ec": {"k": 3, "m": 1}}, "needs groups of 4 nodes, but the job has 3 node(s)"),
@@ -115,19 +165,11 @@ def test_the_json_alone_switches_ftmem_on_in_a_script_that_never_mentions_it(shm
     saves every step into memory, ends (keeping the memory: no persistent tier), loses a
     node, and resumes from memory, rebuilt: losses and weights bitwise those of the same
     script on DeepSpeed's default engine, without ftmem."""
-    with open(os.path.join(CONFIGS, "zero1.json")) as f:
-        config = json.load(f)
-    config["ftmem"]["shm_dir"] = shm_dir
-    stock = {k: v for k, v in config.items() if k not in ("checkpoint", "ftmem")}
+    config, stock = config_pair("zero1.json", shm_dir)
     world, iters, job = 3, 8, job_id()
 
     def run(name: str, config: dict, iters: int, env: dict) -> LocalJob:
-        (tmp_path / f"{name}.json").write_text(json.dumps(config))
-        out = tmp_path / name
-        out.mkdir(exist_ok=True)
-        run = LocalJob("tests.stock_deepspeed_train", ["--config", str(tmp_path / f"{name}.json"), "--save-dir",
-                                                      str(out / "ckpt"), "--iters", str(iters), "--out", str(out)],
-                       world, job, str(out), env=env)
+        run = stock_script(tmp_path, name, config, env, world, job, iters)
         assert run.wait(TIMEOUT) == [0] * world, run.log(0)[-5000:]
         return run
 
@@ -148,19 +190,13 @@ def test_the_json_alone_switches_ftmem_on_in_a_script_that_never_mentions_it(shm
 def test_save_16bit_model_writes_a_real_file_equal_to_the_default_engine_s(stage, shm_dir, tmp_path):
     """save_16bit_model is an export, not a snapshot: its model.pt is a real file, as the
     default engine writes it (it used to fail: 'cannot tell the global step')."""
-    with open(os.path.join(CONFIGS, f"zero{stage}.json")) as f:
-        config = json.load(f)
-    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    config["ftmem"].update(shm_dir=shm_dir, ec={"k": 1, "m": 1})
-    stock = {k: v for k, v in config.items() if k not in ("checkpoint", "ftmem")}
+    config, stock = config_pair(f"zero{stage}.json", shm_dir, ec={"k": 1, "m": 1})
+    for c in (config, stock):
+        c["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     world, exported = 2, {}
     for name, cfg, env in (("reference", stock, STOCK_ENV), ("ftmem", config, ENV)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
         out = tmp_path / name
-        run = LocalJob("tests.stock_deepspeed_train", ["--config", str(tmp_path / f"{name}.json"), "--save-dir",
-                                                      str(out / "ckpt"), "--iters", "3", "--out", str(out),
-                                                      "--save-16bit", str(out / "export")], world, job_id(),
-                       str(out), env=env)
+        run = stock_script(tmp_path, name, cfg, env, world, job_id(), 3, "--save-16bit", str(out / "export"))
         assert run.wait(TIMEOUT) == [0] * world, run.log(0)[-5000:]
         assert all("save_16bit_model returned True" in run.log(r) for r in range(world)), run.log(0)[-3000:]
         path = str(out / "export" / "pytorch_model.bin")
@@ -173,11 +209,15 @@ def test_save_16bit_model_writes_a_real_file_equal_to_the_default_engine_s(stage
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
-def test_zero3_load_without_optimizer_states_is_served_from_memory_bitwise(shm_dir, tmp_path):
+@pytest.mark.parametrize("load", ["--no-optimizer-states", "--module-only"])
+def test_zero3_module_loads_are_served_from_memory_bitwise(load, shm_dir, tmp_path):
     """ZeRO-3 load_checkpoint(..., load_optimizer_states=False) rebuilds the weights with
     zero_to_fp32, which reads every rank's files itself: from ftmem's stubs, it is served
-    every rank's files of the version restored from memory. The loaded weights are those
-    the default engine's files give, and those the job saved."""
+    every rank's files of the version restored from memory. The same with
+    load_module_only=True. The loaded weights are those the default engine's files give;
+    without optimizer states, those the job saved (with load_module_only alone, ZeRO-3
+    DeepSpeed takes the module from the rank's own model-states file, which holds no
+    partitioned weights: stock DeepSpeed keeps the initial weights, and so does ftmem)."""
     world, loaded = 2, {}
     for name, ftmem in (("stock", None), ("ftmem", {"ec": {"k": 1, "m": 1}})):
         job = DSJob("zero3.json", world, shm_dir, str(tmp_path / name), ftmem=ftmem, stock=ftmem is None)
@@ -185,17 +225,57 @@ def test_zero3_load_without_optimizer_states_is_served_from_memory_bitwise(shm_d
         assert job.run() == [0] * world, job.log(0)[-3000:]
         for rank in range(world):  # the weights the job trained to, before a reload overwrites them
             os.replace(os.path.join(job.out, f"rank{rank}.final.pt"), os.path.join(job.out, f"rank{rank}.saved.pt"))
-        assert job.run("--load", "--no-optimizer-states") == [0] * world, job.log(0)[-3000:]
+        assert job.run("--load", load) == [0] * world, job.log(0)[-3000:]
         for rank in range(world):
             assert "resuming at step 3 (client_state)" in job.log(rank), job.log(rank)[-3000:]
             if ftmem:
                 assert logged(restored_from_memory(3, rank, "tag global_step3"), job.log(rank))
             saved, got = (torch.load(os.path.join(job.out, f"rank{rank}.{kind}.pt")) for kind in ("saved", "final"))
-            assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
+            assert saved.keys() == got.keys()
+            assert all(torch.equal(saved[k], got[k]) for k in saved) == (load == "--no-optimizer-states")
             loaded[name, rank] = got
     for rank in range(world):
         mine, theirs = loaded["ftmem", rank], loaded["stock", rank]
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.parametrize("stage, how", [(3, "zero_to_fp32"), (1, "torch-load")])
+def test_a_script_reading_checkpoint_files_gets_what_the_default_engine_s_files_hold(stage, how, shm_dir,
+                                                                                      tmp_path):
+    """Right after its saves, with nothing restored, a script reads the newest checkpoint
+    itself on every rank: in-process zero_to_fp32 of the save dir, or torch.load of its
+    model-states file by path. With ftmem those are stubs, served from memory; what the
+    script gets equals, bitwise, what it gets from the default engine's files."""
+    config, stock = config_pair(f"zero{stage}.json", shm_dir, ec={"k": 1, "m": 1})
+    world, got = 2, {}
+    for name, cfg, env in (("reference", stock, STOCK_ENV), ("ftmem", config, ENV)):
+        run = stock_script(tmp_path, name, cfg, env, world, job_id(), 3, "--read-back", how)
+        assert run.wait(TIMEOUT) == [0] * world, run.log(0)[-5000:]
+        for rank in range(world):
+            assert f"rank {rank}: read back" in run.log(rank), run.log(rank)[-3000:]
+            got[name, rank] = torch.load(str(tmp_path / name / f"rank{rank}.read-back.pt"), weights_only=True)
+    newest = tmp_path / "ftmem" / "ckpt" / "global_step3"
+    assert all(is_stub(str(f)) for f in newest.iterdir())
+    for rank in range(world):
+        mine, theirs = got["ftmem", rank], got["reference", rank]
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_zero_to_fp32_on_one_rank_is_refused_with_the_reason_not_left_waiting(shm_dir, tmp_path):
+    """Reading stubs is a collective (the files are other ranks'). zero_to_fp32 on rank 0
+    alone waits a bounded time for the others, then fails with the reason and what to
+    do instead; rank 1, which never reads, ends as usual."""
+    config, _ = config_pair("zero3.json", shm_dir, ec={"k": 1, "m": 1})
+    bound = 5
+    run = stock_script(tmp_path, "ftmem", config, dict(ENV, FTMEM_COLLECTIVE_TIMEOUT_S=str(bound)), 2, job_id(), 2,
+                       "--read-back", "zero_to_fp32-on-rank-0")
+    assert run.wait(TIMEOUT) == [1, 0], run.log(0)[-5000:]
+    assert (f"CollectiveNotJoined: reading {tmp_path}/ftmem/ckpt/global_step2/" in run.log(0)), run.log(0)[-3000:]
+    assert (f"is a collective: every rank of the job must make it at the same point, as load_checkpoint does, but "
+            f"ranks [1] did not within {bound} s (FTMEM_COLLECTIVE_TIMEOUT_S sets the wait). To read an ftmem "
+            f"checkpoint on some ranks only, or in another process, get real files first: `ftmem export`, or the "
+            f"persistent tier") in run.log(0)
+    assert not os.path.exists(tmp_path / "ftmem" / "rank0.read-back.pt")
 
 
 def test_reading_stubs_without_ftmem_says_what_they_are_and_how_to_get_real_files(shm_dir, tmp_path):

@@ -42,12 +42,15 @@ def parse_args(argv=None):
     p.add_argument("--save-interval", type=int, default=1)
     p.add_argument("--load", action="store_true", help="resume with engine.load_checkpoint(save_dir)")
     p.add_argument("--no-optimizer-states", action="store_true",
-                   help="with --load: load_checkpoint(save_dir, load_optimizer_states=False), the module only")
+                   help="with --load: load_checkpoint(save_dir, load_optimizer_states=False)")
+    p.add_argument("--module-only", action="store_true",
+                   help="with --load: load_checkpoint(save_dir, load_module_only=True)")
     p.add_argument("--out", default=None, help="write per-rank losses and final weights here")
     p.add_argument("--stop-after", type=int, default=None)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--dropout", type=float, default=GPTConfig.dropout)
     p.add_argument("--ftmem", default=None, help='JSON merged into the config\'s "ftmem" section')
     p.add_argument("--checkpoint-engine", choices=("ftmem", "default"), default="ftmem",
                    help="ftmem (default): import ftmem_deepspeed and save with the engine the config selects; "
@@ -100,7 +103,7 @@ def main(argv=None) -> None:
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     config = load_config(args)
-    cfg = GPTConfig(hidden=args.hidden, layers=args.layers, seq_len=args.seq_len)
+    cfg = GPTConfig(hidden=args.hidden, layers=args.layers, seq_len=args.seq_len, dropout=args.dropout)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     pipeline = config.get("pipeline") or {}
     stages, model_parallel = pipeline.get("stages", 1), pipeline.get("model_parallel", 1)
@@ -127,8 +130,8 @@ def main(argv=None) -> None:
 
     start = 0
     if args.load:
-        path, client_state = engine.load_checkpoint(args.save_dir,
-                                                    load_optimizer_states=not args.no_optimizer_states)
+        path, client_state = engine.load_checkpoint(args.save_dir, load_optimizer_states=not args.no_optimizer_states,
+                                                    load_module_only=args.module_only)
         if path:
             start = client_state["next_step"]
             print(f"rank {rank}: resuming at step {start} (client_state), global step {engine.global_steps}",
