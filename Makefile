@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	DS_BUILD_OPS=0 $(PY) -m pip install --quiet "$(TORCH_PIN)" "$(DEEPSPEED_PIN)" "$(MEGATRON_PIN)" -e ".[deepspeed,megatron,test]"
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet "$(TORCH_PIN)" "$(DEEPSPEED_PIN)" "$(MEGATRON_PIN)" -e ".[deepspeed,megatron,test,bench]"
 	touch $@
 
 demo: install

@@ -134,6 +134,7 @@ def test_clean_deletes_nothing_outside_the_shared_memory_directory(tmp_path):
     (["bench", "save", "--repeat", "0"], "ftmem bench save: argument --repeat: must be a positive integer, got '0'"),
     (["bench", "ec", "--mb", "-1"], "ftmem bench ec: argument --mb: must be a positive integer, got '-1'"),
     (["bench", "ec", "--piece-mb", "0"], "ftmem bench ec: argument --piece-mb: must be a positive integer, got '0'"),
+    (["bench", "protect", "--nodes", "2,0"], "ftmem bench protect: argument --nodes: must be a positive integer, got '0'"),
     (["survival", "--nodes", "8", "--k", "2", "--m", "1", "--trials", "-5"],
      "ftmem survival: argument --trials: must be a positive integer, got '-5'"),
     (["survival", "--nodes", "8", "--k", "2", "--m", "1", "--trials", "0"],
