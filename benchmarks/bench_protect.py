@@ -147,16 +147,17 @@ def plot_protect(rows: list, mb: int, path: str) -> None:
     from benchmarks.plots import pyplot
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    fig, ax = plt.subplots(figsize=(8.4, 4))
     for m in sorted({r[1] for r in rows}):
         mine = [r for r in rows if r[1] == m]
         ax.plot([r[0] for r in mine], [r[2] for r in mine], "o-", label=f"save -> protected, m={m}")
-        ax.plot([r[0] for r in mine], [r[3] for r in mine], "x--", label=f"gloo all_to_all (same run, m={m})")
-    ax.plot([r[0] for r in rows], [r[4] for r in rows], ".:", color="grey", label="memory copy (same run)")
+        ax.plot([r[0] for r in mine], [r[3] for r in mine], "x--", label=f"gloo all_to_all, m={m}'s run")
+        ax.plot([r[0] for r in mine], [r[4] for r in mine], ".:", color="grey",
+                label="memory copy, each run" if m == rows[0][1] else None)
     ax.set_xlabel("virtual nodes N (one EC group, k = N - m)")
     ax.set_ylabel(f"GB/s per node ({mb} MiB per node)")
     ax.set_yscale("log")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
