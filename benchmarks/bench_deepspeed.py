@@ -3,7 +3,9 @@ default checkpoint engine against ftmem on the same model in one run — save_ch
 blocking time and load_checkpoint time of a >= 50M-parameter GPT under ZeRO-1 on 2
 ranks, the same save with a flush to disk after it (what it blocks, and the flush
 against DeepSpeed's torch.save) — and the iteration time of a smaller GPT saving with
-ftmem after every step against not saving.
+ftmem after every step against not saving. Saves follow steps with nothing drained
+outside a timer: the cycle cost (a step with a save minus one without, taking turns in
+the same run) bills every wait; the one drain, before the restore figures, is reported.
 
 Run without arguments it starts the two ranks (run_for_figures), each running
 :func:`worker` (``--worker``); rank 0 prints the figures.
@@ -91,28 +93,56 @@ def worker(argv=None) -> None:
         fn()
         return time.perf_counter() - t0
 
-    # 1. save and restore of the big model, default engine then ftmem.
+    # 1. save and restore of the big model, default engine then ftmem. The saves follow
+    # steps, as in training, with nothing drained in between: an ftmem save call bills
+    # whatever it waits for (the previous snapshot's protection). Then, for ftmem, one
+    # save timed to "protected", and a drain before the restart (reported, not billed).
     for name, ftmem in (("default", False), ("ftmem", True)):
         engine, cfg = engine_for(BIG, ftmem)
         figures["params"] = sum(p.numel() for p in engine.module.parameters())
         ckpt = os.path.join(args.work, name)
         saves = []
-        for step in range(3):
+        for step in range(4):
             train_step(engine, cfg, step)
-            if ftmem:
-                # What the call itself blocks: the previous snapshot is protected by
-                # now whenever saves are at least a protection time apart.
-                engine.checkpoint_engine.wait_protected()
             saves.append(timed(lambda: engine.save_checkpoint(ckpt)))
-        if ftmem:
-            engine.checkpoint_engine.wait_protected()
-            engine.checkpoint_engine.runtime.close(job_finished=False)  # keep the snapshots, as a crash would
         figures[f"{name}_save_s"] = statistics.median(saves[1:])  # the first save allocates
+        if ftmem:
+            figures["ftmem_drain_before_protected_s"] = timed(engine.checkpoint_engine.wait_protected)
+            train_step(engine, cfg, 4)
+            figures["ftmem_protected_s"] = timed(lambda: (engine.save_checkpoint(ckpt),
+                                                          engine.checkpoint_engine.wait_protected()))
+            engine.checkpoint_engine.runtime.close(job_finished=False)  # keep the snapshots, as a crash would
         engine, cfg = engine_for(BIG, ftmem)  # a "restarted" engine: restore into fresh state
         figures[f"{name}_restore_s"] = timed(lambda: engine.load_checkpoint(ckpt))
         if ftmem:
             engine.checkpoint_engine.runtime.close(job_finished=True)
         del engine
+
+    # 1b. the cycle cost on the big model: blocks of steps with an ftmem save after every
+    # step take turns with blocks without saves; a block with saves ends when its last
+    # snapshot is protected, inside its timer.
+    engine, cfg = engine_for(BIG, True)
+    per_step = {"save": [], "nosave": []}
+    step = 0
+    for block in range(1 + args.blocks):  # block 0 warms up: allocation, first mappings
+        for kind in ("nosave", "save"):
+            def block_of_steps():
+                nonlocal step
+                for _ in range(args.block_steps):
+                    train_step(engine, cfg, step)
+                    if kind == "save":
+                        engine.save_checkpoint(os.path.join(args.work, "cycle"))
+                    step += 1
+                if kind == "save":
+                    engine.checkpoint_engine.wait_protected()
+
+            took = timed(block_of_steps)
+            if block:
+                per_step[kind].append(took / args.block_steps)
+    engine.checkpoint_engine.runtime.close(job_finished=True)
+    figures["big_step_s"] = statistics.median(per_step["nosave"])
+    figures["big_cycle_s"] = statistics.median(per_step["save"])
+    del engine
 
     # 2. the same saves with every version flushed to disk: what the save call blocks
     # (the flush runs in the background), and how long a flush of this rank's files
@@ -133,24 +163,27 @@ def worker(argv=None) -> None:
 
     # 3. iteration time of the smaller GPT: ftmem save every step vs no saves. The two
     # engines take turns in blocks of steps, so load from outside the benchmark hits both
-    # alike; before a block without saves the last snapshot is drained (protected), so
-    # its background work is not billed to the engine that does not save.
+    # alike; a block with saves ends when its last snapshot is protected, inside its
+    # timer, so none of its background work is billed to the engine that does not save.
     for case, (micro_batch, ranks_per_node) in ITERATION_CASES.items():
         engines = {name: engine_for(SMALL, save, micro_batch, ranks_per_node)
                    for name, save in (("nosave", False), ("save", True))}
         times = {name: [] for name in engines}
-        for block in range(args.blocks):
+        for block in range(1 + args.blocks):  # block 0 warms up: allocation, first mappings
             for name, (engine, cfg) in engines.items():
-                if name == "nosave" and block:
-                    engines["save"][0].checkpoint_engine.wait_protected()
-                for step in range(block * args.block_steps, (block + 1) * args.block_steps):
-                    def one_step():
+                def block_of_steps():
+                    for step in range(block * args.block_steps, (block + 1) * args.block_steps):
                         train_step(engine, cfg, step)
                         if name == "save":
                             engine.save_checkpoint(os.path.join(args.work, "every-step"))
-                    times[name].append(timed(one_step))
+                    if name == "save":
+                        engine.checkpoint_engine.wait_protected()
+
+                took = timed(block_of_steps)
+                if block:
+                    times[name].append(took / args.block_steps)
         for name in engines:
-            figures[f"iter_{case}_{name}_s"] = statistics.median(times[name][2:])  # past warm-up, allocation
+            figures[f"iter_{case}_{name}_s"] = statistics.median(times[name])
         engines["save"][0].checkpoint_engine.runtime.close(job_finished=True)
         del engines
     if rank == 0:
@@ -172,16 +205,24 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
         "save_vs_default_x": f["default_save_s"] / f["ftmem_save_s"],
         "persist_save_s": f["persist_save_s"], "persist_vs_memory_save_x": f["persist_save_s"] / f["ftmem_save_s"],
         "flush_s": f["flush_s"], "flush_vs_default_save_x": f["flush_s"] / f["default_save_s"],
+        "protected_s": f["ftmem_protected_s"], "drain_before_restore_s": f["ftmem_drain_before_protected_s"],
+        "step_s": f["big_step_s"], "cycle_s": f["big_cycle_s"], "cycle_cost_s": f["big_cycle_s"] - f["big_step_s"],
+        "cycle_cost_vs_default_save_x": (f["big_cycle_s"] - f["big_step_s"]) / f["default_save_s"],
     }
     for case in ITERATION_CASES:
         nosave, save = f[f"iter_{case}_nosave_s"], f[f"iter_{case}_save_s"]
         result.update({f"iter_{case}_nosave_s": nosave, f"iter_{case}_save_every_step_s": save,
-                       f"iter_{case}_overhead_x": save / nosave})
+                       f"iter_{case}_overhead_x": save / nosave, f"iter_{case}_cycle_cost_s": save - nosave})
     print(f"GPT of {f['params'] / 1e6:.1f}M parameters, ZeRO-1, {WORLD} ranks (CPU, gloo):")
     print(f"  save_checkpoint blocks   default {result['default_save_s']:.3f} s   ftmem {result['ftmem_save_s']:.3f} s"
           f"   ({result['save_vs_default_x']:.0f}x less, target >= 20x)")
     print(f"  load_checkpoint          default {result['default_restore_s']:.3f} s   "
           f"ftmem {result['ftmem_restore_s']:.3f} s")
+    print(f"  a save after every step: step {result['step_s']:.3f} s without saves, {result['cycle_s']:.3f} s with "
+          f"(cycle cost {result['cycle_cost_s']:+.3f} s, {result['cycle_cost_vs_default_save_x']:.2f}x the default "
+          f"engine's blocking save, target <= 0.25x; every wait billed)")
+    print(f"  save -> protected {result['protected_s']:.3f} s; before the restart, the last snapshot was drained "
+          f"for {result['drain_before_restore_s']:.3f} s (untimed: setup for the restore figures)")
     print(f"  with a flush to disk after every save: save_checkpoint blocks {result['persist_save_s']:.3f} s "
           f"({result['persist_vs_memory_save_x']:.2f}x the save without, target <= 1.05x); a flush of rank 0's "
           f"{f['flush_mb']:.0f} MiB takes {result['flush_s']:.3f} s, {result['flush_vs_default_save_x']:.2f}x "
