@@ -38,6 +38,7 @@ from examples.launch import report_figures, run_for_figures
 
 WORLD = 2
 # ~53M parameters (the embedding is 24.6M of them), ~26M per rank at TP 2.
+CYCLE_BLOCK = 3  # iterations per block of the cycle-cost measurement
 MODEL = {"num_layers": 4, "hidden_size": 768, "num_attention_heads": 12, "seq_length": 128, "vocab_size": 32000}
 TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 128}
 TARGET_X = 20.0
@@ -107,6 +108,10 @@ def worker(argv=None) -> None:
     torch.distributed.all_reduce(counted)
     figures["params"] = counted.item() // args.data_parallel_size
     saves = {"ftmem": [], "torch": [], "persist": []}
+    # The save kinds take turns, and each starts with the last snapshot protected (and
+    # flushed), so that none is billed another's background work. Those drains are
+    # timed and reported; the cycle cost below bills every wait.
+    drains = []
     flushes = []  # (bytes written by all ranks, seconds of the slowest rank)
     iteration = 0
     for _ in range(mine.saves + 1):  # + 1: the warm-up saves
@@ -114,10 +119,10 @@ def worker(argv=None) -> None:
         # the next: each ftmem save is of a new iteration, as in training.
         iteration += 1
         train_step(args, iteration, model, optimizer, scheduler)
-        checkpointing.wait_protected()
+        drains.append(timed(checkpointing.wait_protected))
         saves["persist"].append(timed(lambda: checkpointing.save_checkpoint(
             iteration, model, optimizer, scheduler, 0.0, args, persistent=True)))
-        checkpointing.wait_flushed()
+        drains.append(timed(checkpointing.wait_flushed))
         written, seconds = checkpointing.last_flush()
         flush = torch.tensor([written, seconds], dtype=torch.float64)
         torch.distributed.all_reduce(flush[:1])
@@ -125,10 +130,10 @@ def worker(argv=None) -> None:
         flushes.append(tuple(flush.tolist()))
         iteration += 1
         train_step(args, iteration, model, optimizer, scheduler)
-        checkpointing.wait_protected()
+        drains.append(timed(checkpointing.wait_protected))
         saves["ftmem"].append(timed(lambda: checkpointing.save_checkpoint(
             iteration, model, optimizer, scheduler, 0.0, args)))
-        checkpointing.wait_protected()
+        drains.append(timed(checkpointing.wait_protected))
         saves["torch"].append(timed(lambda: torch_checkpoint.save_checkpoint(
             iteration, model, optimizer, scheduler, 0.0, torch_args)))
         if rank == 0 and iteration > 2:  # keep one checkpoint of each on disk
@@ -144,6 +149,32 @@ def worker(argv=None) -> None:
         figures[f"{name}_saves_s"] = times
     figures["flush_bytes"] = flushes[-1][0]
     figures["flush_s"] = statistics.median(seconds for _, seconds in flushes[1:])
+    figures["drains_s"] = sum(drains[4:])  # past the warm-up round
+
+    # The cycle cost: blocks of iterations with an in-memory save after each take turns
+    # with blocks without saves; a block with saves ends when its last snapshot is
+    # protected, inside its timer.
+    per_iteration = {"save": [], "nosave": []}
+    for block in range(1 + mine.saves):  # block 0 warms up
+        for kind in ("nosave", "save"):
+            def block_of_iterations():
+                nonlocal iteration
+                for _ in range(CYCLE_BLOCK):
+                    iteration += 1
+                    train_step(args, iteration, model, optimizer, scheduler)
+                    if kind == "save":
+                        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, 0.0, args)
+                if kind == "save":
+                    checkpointing.wait_protected()
+
+            took = timed(block_of_iterations)
+            if block:
+                per_iteration[kind].append(took / CYCLE_BLOCK)
+    figures["step_s"] = statistics.median(per_iteration["nosave"])
+    figures["cycle_s"] = statistics.median(per_iteration["save"])
+    # What the restores below load: the newest in-memory version, and a torch checkpoint of it.
+    saves["torch"].append(timed(lambda: torch_checkpoint.save_checkpoint(
+        iteration, model, optimizer, scheduler, 0.0, torch_args)))
     saved_digest = state_digest(model, optimizer)
     checkpointing.wait_protected()
     checkpointing.close(job_finished=False)  # the snapshots stay, as after a crash
@@ -197,6 +228,9 @@ def bench_megatron(shape: dict = MODEL, tp: int = 2, saves: int = 3, shm_dir: st
         "flush_s": f["flush_s"], "flush_gbps": f["flush_bytes"] / f["flush_s"] / 1e9,
         "torch_save_gbps": f["flush_bytes"] / f["torch_save_s"] / 1e9,
         "params": f["params"],
+        "step_s": f["step_s"], "cycle_s": f["cycle_s"], "cycle_cost_s": f["cycle_s"] - f["step_s"],
+        "cycle_cost_vs_torch_save_x": (f["cycle_s"] - f["step_s"]) / f["torch_save_s"],
+        "drains_s": f["drains_s"],
     }
     print(f"megatron-core GPT of {f['params'] / 1e6:.1f}M parameters ({shape}), TP {tp} on {WORLD} ranks "
           f"(CPU, gloo), Adam; ftmem EC k=1 m=1, one rank per node; times are the max over ranks, "
@@ -213,6 +247,11 @@ def bench_megatron(shape: dict = MODEL, tp: int = 2, saves: int = 3, shm_dir: st
           f"{result['persist_vs_memory_save_x']:.2f}x the in-memory save (target <= 1.05x); written from memory "
           f"in the background in {result['flush_s']:.3f} s ({result['flush_gbps']:.2f} GB/s) against "
           f"torch.save of the same files {result['torch_save_s']:.3f} s ({result['torch_save_gbps']:.2f} GB/s)")
+    print(f"  an in-memory save after every iteration: {result['step_s']:.3f} s per iteration without saves, "
+          f"{result['cycle_s']:.3f} s with (cycle cost {result['cycle_cost_s']:+.3f} s, "
+          f"{result['cycle_cost_vs_torch_save_x']:.2f}x the torch save; every wait billed)")
+    print(f"  the timed saves above each started from a protected (and flushed) snapshot: those drains took "
+          f"{result['drains_s']:.3f} s in all, outside the save timers")
     print(f"  load_checkpoint          torch {result['torch_restore_s']:.3f} s   "
           f"ftmem {result['ftmem_restore_s']:.3f} s   (restored state checked bitwise for both)")
     print(f"  wall time {time.monotonic() - started:.0f} s")
