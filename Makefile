@@ -8,7 +8,7 @@ DEEPSPEED_PIN ?= deepspeed==0.19.8
 # megatron-core >= 0.17 needs Python >= 3.12; 0.16.1 is the newest for 3.11.
 MEGATRON_PIN ?= megatron-core==0.16.1
 
-.PHONY: install demo test clean-shm
+.PHONY: install demo test test-gpu clean-shm
 
 install: $(VENV)/.installed
 
@@ -27,3 +27,23 @@ test: install
 
 clean-shm: install
 	$(VENV)/bin/ftmem clean --all
+
+# The GPU tests (tests/test_gpu.py, marked gpu; skipped by `make test` without CUDA) in a venv
+# of their own. It sees the system's packages: a GPU machine's image usually holds a CUDA
+# build of torch, and nothing may be fetchable there. Where its python3 has no CUDA torch,
+# the venv gets PyPI's default Linux torch wheel, which is a CUDA build.
+# --system-site-packages lends the base interpreter's packages only; where $(PYTHON) is
+# itself a venv (as on this project's GPU machines), a .pth file lends its own.
+VENV_GPU := .venv-gpu
+PY_GPU := $(VENV_GPU)/bin/python
+
+$(VENV_GPU)/.installed: Makefile
+	$(PYTHON) -m venv --system-site-packages $(VENV_GPU)
+	$(PYTHON) -c "import site; print('\n'.join(site.getsitepackages()))" \
+		> "$$($(PY_GPU) -c 'import site; print(site.getsitepackages()[0])')/ftmem-gpu-base.pth"
+	$(PY_GPU) -c "import torch, numpy, xxhash, pytest, pytest_timeout; assert torch.cuda.is_available()" || \
+		$(PY_GPU) -m pip install --quiet torch numpy xxhash pytest pytest-timeout
+	touch $@
+
+test-gpu: $(VENV_GPU)/.installed
+	PYTHONPATH=$(CURDIR) $(PY_GPU) -m pytest -q -ra -m gpu tests/test_gpu.py
