@@ -34,7 +34,11 @@ clean-shm: install
 # the venv gets PyPI's default Linux torch wheel, which is a CUDA build.
 # --system-site-packages lends the base interpreter's packages only; where $(PYTHON) is
 # itself a venv (as on this project's GPU machines), a .pth file lends its own.
+# Offline (as the lent GPU machines are), GPU_WHEELS=DIR names a folder of wheels (and
+# DeepSpeed's sdist) to install from instead of the package index.
 VENV_GPU := .venv-gpu
+GPU_WHEELS ?=
+GPU_PIP_SOURCE := $(if $(GPU_WHEELS),--no-index --find-links $(GPU_WHEELS),)
 PY_GPU := $(VENV_GPU)/bin/python
 
 $(VENV_GPU)/.installed: Makefile
@@ -42,7 +46,9 @@ $(VENV_GPU)/.installed: Makefile
 	$(PYTHON) -c "import site; print('\n'.join(site.getsitepackages()))" \
 		> "$$($(PY_GPU) -c 'import site; print(site.getsitepackages()[0])')/ftmem-gpu-base.pth"
 	$(PY_GPU) -c "import torch, numpy, xxhash, pytest, pytest_timeout; assert torch.cuda.is_available()" || \
-		$(PY_GPU) -m pip install --quiet torch numpy xxhash pytest pytest-timeout
+		$(PY_GPU) -m pip install --quiet $(GPU_PIP_SOURCE) torch numpy xxhash pytest pytest-timeout
+	$(PY_GPU) -c "import deepspeed, megatron.core" 2>/dev/null || DS_BUILD_OPS=0 $(PY_GPU) -m pip install --quiet \
+		--no-build-isolation $(GPU_PIP_SOURCE) "$(DEEPSPEED_PIN)" "$(MEGATRON_PIN)"
 	touch $@
 
 test-gpu: $(VENV_GPU)/.installed

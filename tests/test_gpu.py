@@ -145,3 +145,54 @@ def test_the_snapshot_copy_runs_beside_the_training_stream_s_kernels(shm_dir):
     finally:
         e.close(job_finished=True)
         jobs.clean(shm_dir, job)
+
+
+@pytest.mark.parametrize("config", ["zero1.json", "zero3.json"])
+def test_deepspeed_on_the_gpu_resumes_bitwise_after_a_crash(config, shm_dir, tmp_path):
+    """One rank on the GPU (NCCL), examples/deepspeed/train_gpt.py saving every step:
+    SIGKILLed after step 3's snapshot, relaunched, it resumes from memory, and its losses
+    and final weights equal, bitwise, the same script's uninterrupted run on DeepSpeed's
+    default checkpoint engine."""
+    pytest.importorskip("deepspeed")
+    from conftest import logged
+    from test_deepspeed import ITERS, STOP, TIMEOUT, DSJob, reference
+    from trainjob import assert_same_training
+
+    from ftmem import restored_from_memory
+
+    env = {"DS_ACCELERATOR": "cuda", "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
+    ref = reference(config, 1, str(tmp_path / "reference"), env)
+    job = DSJob(config, 1, shm_dir, str(tmp_path / "run"), ftmem={"ec": {"k": 1, "m": 0}}, env=env)
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: "stopped after" in run.log(0), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    assert job.run("--load") == [0], job.log(0)[-5000:]
+    assert "checkpoint engine FtmemCheckpointEngine" in job.log(0)
+    assert logged(restored_from_memory(STOP + 1, 0, f"tag global_step{STOP + 1}"), job.log(0)), job.log(0)[-3000:]
+    assert_same_training(job.out, ref, 1, ITERS)
+
+
+def test_megatron_core_on_the_gpu_resumes_bitwise_after_a_crash(shm_dir, tmp_path):
+    """One rank on the GPU (NCCL, TP 1), the megatron-core driver without cpu_compat, an
+    in-memory save every iteration: SIGKILLed after iteration 3's snapshot, relaunched
+    with the same command, it restores from memory, and its losses and final parameters
+    and optimizer state equal, bitwise, an uninterrupted run without ftmem."""
+    pytest.importorskip("megatron.core")
+    from conftest import logged
+    from test_megatron import ITERS, STOP, TIMEOUT, MegatronJob, read_out, reference
+
+    from ftmem import restored_from_memory
+
+    parallel = ["--tensor-model-parallel-size", "1"]
+    ref = reference(1, parallel, str(tmp_path / "reference"))
+    job = MegatronJob(1, parallel, ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m", "0"],
+                      shm_dir, str(tmp_path / "run"))
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: "stopped after" in run.log(0), TIMEOUT, f"iteration {STOP}")
+        run.kill_all()
+    assert "starting at iteration 0, on CUDA" in job.log(0), job.log(0)[-3000:]
+    job.run(str(tmp_path / "resumed.json"))
+    assert logged(restored_from_memory(STOP, 0), job.log(0)), job.log(0)[-3000:]
+    resumed = read_out(str(tmp_path / "resumed.json"))
+    assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(STOP + 1, ITERS + 1)}
+    assert resumed["digests"] == ref["digests"]

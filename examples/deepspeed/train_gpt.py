@@ -144,7 +144,7 @@ def main(argv=None) -> None:
                                   for i in range(engine.gradient_accumulation_steps())])
             loss = engine.train_batch(micro_batches)
         else:
-            x, y = batch(cfg, step, replica, micro)
+            x, y = (t.to(engine.device) for t in batch(cfg, step, replica, micro))
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()

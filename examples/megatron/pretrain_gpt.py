@@ -445,7 +445,8 @@ def main(argv=None) -> None:
         print(f"pretrain_gpt: world {args.world_size} = TP {args.tensor_model_parallel_size} x "
               f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, "
               f"{args.num_microbatches} micro-batches per iteration, optimizer {type(optimizer).__name__}, "
-              f"starting at iteration {iteration}", flush=True)
+              f"starting at iteration {iteration}, on "
+              f"{'CUDA' if torch.cuda.is_available() else 'the CPU (cpu_compat enabled)'}", flush=True)
     losses = train(args, model, optimizer, opt_param_scheduler, iteration, flops_so_far)
     if args.out:
         write_out(args, losses, model, optimizer)

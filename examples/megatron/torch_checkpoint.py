@@ -67,7 +67,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> tuple[int, f
     if iteration == RELEASE:
         raise NotImplementedError("release checkpoints are not supported")
     mine = -1 if iteration is None else iteration
-    seen = torch.tensor([mine], dtype=torch.int64)
+    # On the job's default group: NCCL on GPUs takes only CUDA tensors.
+    seen = torch.tensor([mine], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu")
     torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
     if mine != seen.item():
         raise RuntimeError(f"ranks read different latest iterations from {args.load} "
