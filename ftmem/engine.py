@@ -225,7 +225,8 @@ class SnapshotEngine:
         """Versions this rank holds committed in shared memory, oldest first."""
         return sorted(self.store.committed())
 
-    def restore(self, version: Optional[int] = None, device: Union[str, torch.device] = "cpu") -> Optional[Restored]:
+    def restore(self, version: Optional[int] = None, device: Union[str, torch.device] = "cpu",
+                drop_newer: bool = True) -> Optional[Restored]:
         """Restore the newest version every rank can recover (collective over all ranks).
 
         Each rank verifies its held data and parity against their checksums; a
@@ -234,18 +235,10 @@ class SnapshotEngine:
         rebuilt from its EC group's parity. Returns None if no rank holds any version
         (a fresh job); raises :class:`~ftmem.errors.NotRecoverableFromMemory`, naming
         the groups and nodes, if versions are held but none is recoverable for every
-        rank, and :class:`~ftmem.errors.LayoutMismatch` if the version was saved under
-        another parallel layout. Held versions newer than the restored one are dropped.
-        """
+        rank, and :class:`~ftmem.errors.LayoutMismatch` if it was saved under another
+        layout. Newer versions are dropped unless ``drop_newer`` is False (tools' reads)."""
         self.wait()  # a save in flight commits first
-        return self._restorer.restore(version, torch.device(device))
-
-    def read(self, version: int, device: Union[str, torch.device] = "cpu") -> Optional[Restored]:
-        """A held version's state, rebuilt where a rank lost it, for reading: as
-        :meth:`restore` of that version (collective), but newer versions stay held. For
-        a framework's tools that read a checkpoint the job has not resumed from."""
-        self.wait()
-        return self._restorer.restore(version, torch.device(device), drop_newer=False)
+        return self._restorer.restore(version, torch.device(device), drop_newer)
 
     # -- end --------------------------------------------------------------------
     def close(self, job_finished: bool = False) -> None:

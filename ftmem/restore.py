@@ -81,8 +81,7 @@ class Restorer:
         return data, parity
 
     def restore(self, version: Optional[int], device: torch.device, drop_newer: bool = True) -> Optional[Restored]:
-        """See :meth:`ftmem.SnapshotEngine.restore` (and :meth:`~ftmem.SnapshotEngine.read`:
-        ``drop_newer`` False)."""
+        """See :meth:`ftmem.SnapshotEngine.restore`."""
         data, parity = self.intact()
         held = gather_objects(({v: r.plan.nbytes for v, r in data.items()},
                                {v: Geometry.of(p) for v, (p, _) in parity.items()}), self._gloo)

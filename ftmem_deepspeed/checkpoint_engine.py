@@ -238,7 +238,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
             state = self._restored
         else:
             version = _version_of_tag(os.path.dirname(path))
-            restored = self.runtime.engine.read(version)
+            restored = self.runtime.engine.restore(version, drop_newer=False)
             state = restored.state if restored is not None else None
             if state is None or state["tag"] != tag:
                 raise FtmemError(f"{path} is a stub of version {version} (tag {tag!r}), which memory no longer holds "
