@@ -245,7 +245,14 @@ class FtmemCheckpointEngine(CheckpointEngine):
                                  f"(it holds {self.runtime.engine.versions()}). Load an older disk checkpoint or one "
                                  f"written by the persistent tier.")
         mine = {key: file for key, file in state["files"].items() if os.path.dirname(key) == tag}
-        return {key: file for files in self.runtime.gather(mine) for key, file in files.items()}
+        # A file every DP replica holds (the model states) is served as the default engine
+        # writes it: from the lowest rank (DeepSpeed fills some entries, such as the tied
+        # weights' shared_params, on rank 0 only).
+        served: dict = {}
+        for files in self.runtime.gather(mine):
+            for key, file in files.items():
+                served.setdefault(key, file)
+        return served
 
     def wait_reusable(self) -> None:
         """Before the optimizer writes the state again: the snapshot's copy must be done."""
