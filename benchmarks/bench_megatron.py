@@ -172,9 +172,9 @@ def worker(argv=None) -> None:
                 per_iteration[kind].append(took / CYCLE_BLOCK)
     figures["step_s"] = statistics.median(per_iteration["nosave"])
     figures["cycle_s"] = statistics.median(per_iteration["save"])
-    # What the restores below load: the newest in-memory version, and a torch checkpoint of it.
-    saves["torch"].append(timed(lambda: torch_checkpoint.save_checkpoint(
-        iteration, model, optimizer, scheduler, 0.0, torch_args)))
+    # What the restores below load: the newest in-memory version, and a torch checkpoint of it
+    # (untimed: the save figures above are taken).
+    torch_checkpoint.save_checkpoint(iteration, model, optimizer, scheduler, 0.0, torch_args)
     saved_digest = state_digest(model, optimizer)
     checkpointing.wait_protected()
     checkpointing.close(job_finished=False)  # the snapshots stay, as after a crash
