@@ -224,9 +224,10 @@ class AdapterRuntime:
     def _keep(self, reason: str) -> None:
         self.close(job_finished=False)
         identity = self.engine.identity
-        job_info("job %s keeps its newest version (%s) in shared memory (%s): a restart of the same job resumes "
-                 "from it. To free it: ftmem clean --job %s --shm-dir %s", identity.job, self.engine.protected,
-                 reason, identity.job, identity.shm_dir)
+        # None: this run saved nothing and restored nothing (it failed first); what it held stays.
+        held = "what it holds" if self.engine.protected is None else f"its newest version ({self.engine.protected})"
+        job_info("job %s keeps %s in shared memory (%s): a restart of the same job resumes from it. To free it: "
+                 "ftmem clean --job %s --shm-dir %s", identity.job, held, reason, identity.job, identity.shm_dir)
 
 
 def check_startup(config: FtmemConfig, rank: int, world_size: int) -> None:

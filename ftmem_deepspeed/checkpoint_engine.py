@@ -28,8 +28,8 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, ParallelLayout, check_startup, flushed,
-                   everyone_joins, gather_dp_groups, save_atomically)
+from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, NotRecoverableFromMemory, ParallelLayout,
+                   check_startup, everyone_joins, flushed, gather_dp_groups, save_atomically)
 
 from .format import DeepSpeedFormat
 from .stub import is_stub, read_stub, write_stub
@@ -109,6 +109,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._restored: Optional[dict] = None
         self._restore_tried = False
         self._disk_dir: Optional[str] = None  # the persisted checkpoint a restart fell back to
+        self._memory_failed: Optional[str] = None  # why memory could not serve a restart, when it could not
         self._dir: Optional[str] = None  # the save dir: the job's origin
         self._served: Optional[tuple[str, dict]] = None  # (tag, every rank's files) last read by path
         FtmemCheckpointEngine._live[next(FtmemCheckpointEngine._created)] = self
@@ -190,7 +191,10 @@ class FtmemCheckpointEngine(CheckpointEngine):
         ``(persist dir, tag)`` of the persistent tier's newest checkpoint, else
         ``(load_dir, None)`` to let DeepSpeed read ``latest`` when it names another
         engine's files; None when there is nothing to resume from (said in the log).
-        Collective: every rank loads."""
+        When ``latest`` names an ftmem checkpoint that neither memory nor the persistent
+        tier can give back, the load is refused: DeepSpeed's default engine would have
+        loaded that checkpoint, so a fresh start in its place would be a silently wrong
+        resume. Collective: every rank loads."""
         self._start(load_dir)
         self._restore()
         if self._restored is not None:
@@ -201,8 +205,13 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if latest and not any(is_stub(f) for f in glob.glob(os.path.join(load_dir, latest, "*"))):
             return load_dir, None  # files another engine wrote: DeepSpeed loads them as usual
         if latest:
-            self.runtime.resumed_from_scratch(f"{os.path.join(load_dir, 'latest')} names {latest}, an ftmem "
-                                              f"checkpoint that neither memory nor the persistent tier holds")
+            raise NotRecoverableFromMemory(
+                f"{os.path.join(load_dir, 'latest')} names {latest}, an ftmem checkpoint that neither memory nor the "
+                f"persistent tier can give back ({self._memory_failed or 'memory holds no version of this job'}). "
+                f"ftmem does not start from scratch in its place. To resume, load a checkpoint on disk "
+                f"(load_checkpoint(dir, tag) of one the default engine or the persistent tier wrote); to start "
+                f"over on purpose, remove {os.path.join(load_dir, 'latest')}.")
+        self.runtime.resumed_from_scratch(self._memory_failed)
         return None
 
     @classmethod
@@ -300,7 +309,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
             self.format.restore_rng_from(self._disk_dir, self.runtime.rank)
             self.runtime.resumed_from_disk(on_disk["version"], self._disk_dir, resumption.reason)
         else:
-            self.runtime.resumed_from_scratch(resumption.reason)
+            self._memory_failed = resumption.reason  # said by resume_point, or in the stub read's refusal
         return self._restored
 
     def _share_layer_files(self, files: dict) -> None:

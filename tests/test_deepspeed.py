@@ -426,6 +426,41 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, shm
     assert weights.keys() == final.keys() and all(torch.equal(weights[k], final[k]) for k in final)
 
 
+@pytest.mark.parametrize("restart", ["two nodes lost", "memory cleaned", "half the ranks"])
+def test_a_checkpoint_memory_cannot_give_back_is_refused_not_replaced_by_a_fresh_start(restart, shm_dir, tmp_path):
+    """`latest` names an ftmem checkpoint, no disk holds one, and memory cannot give it
+    back: more than m=1 nodes are lost, `ftmem clean` freed the job, or the job comes
+    back on 2 of its 4 ranks (the elastic case). DeepSpeed's default engine would have
+    loaded the checkpoint: ftmem refuses with the reason and frees nothing."""
+    world, ftmem = (4, {"ec": {"k": 1, "m": 1}}) if restart == "half the ranks" else (3, None)
+    job = DSJob("zero1.json", world, shm_dir, str(tmp_path / "run"), ftmem=ftmem)
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    latest = os.path.join(job.save_dir, "latest")
+    refused = (f"{latest} names global_step{STOP + 1}, an ftmem checkpoint that neither memory nor the persistent "
+               f"tier can give back (")
+    if restart == "two nodes lost":
+        jobs.lose_node(shm_dir, job.job, 0)
+        jobs.lose_node(shm_dir, job.job, 1)
+        refusal = [refused, "EC group of nodes [0, 1, 2] (k=2, m=1) lacks node(s) [0, 1]",
+                   f"to start over on purpose, remove {latest}"]
+    elif restart == "memory cleaned":
+        assert run_cli("clean", "--job", job.job, "--shm-dir", shm_dir).returncode == 0
+        refusal = [refused + "memory holds no version of this job). ftmem does not start from scratch in its place."]
+    else:
+        job.world = 2
+        refusal = [f"version {STOP + 1} was saved under another parallel layout (dp_groups ((0, 1, 2, 3),) -> ((0, 1),))"]
+    held = {n["node"]: n["versions"] for j in jobs.status(shm_dir, job.job)["jobs"] for n in j["nodes"]}
+    codes = job.run("--load")
+    assert all(code != 0 for code in codes), job.log(0)[-5000:]
+    for rank in range(job.world):
+        assert all(part in job.log(rank) for part in refusal), job.log(rank)[-5000:]
+        assert "starting from scratch" not in job.log(rank) and "resuming at step" not in job.log(rank)
+    after = {n["node"]: n["versions"] for j in jobs.status(shm_dir, job.job)["jobs"] for n in j["nodes"]}
+    assert {node: after[node] for node in held} == held  # nothing freed
+
+
 def test_a_flush_killed_midway_leaves_the_previous_checkpoint_the_newest(shm_dir, tmp_path):
     """Rank 0 dies after writing one file of version 4's flush: the disk still says
     version 2, whose directory is complete, and a restart that memory cannot serve
