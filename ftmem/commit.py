@@ -64,6 +64,12 @@ class Committer:
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
 
+    def forget_groups(self) -> None:
+        """The engine closed and destroyed its groups: hold none of them, the tier's included."""
+        self._gloo = None
+        if self.flusher is not None:
+            self.flusher.close()
+
     def _run(self, handle: SaveHandle, record: CommitRecord, tensors: list, slot_bytes: torch.Tensor,
              cuda_ready: dict, persist: bool) -> None:
         version = record.version

@@ -19,6 +19,7 @@ thread), :class:`~ftmem.restore.Restorer` (version agreement, rebuild, DP gather
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Union
@@ -261,7 +262,7 @@ class SnapshotEngine:
             if self.everyone_agrees(job_finished):
                 self._smp.finish(self.rank)
             self._smp.close()
-            destroy_groups(self.job_group, self._finish_group, self.dp_peers.group, getattr(self._column, "pg", None))
+            _end_groups(self)
 
     def everyone_agrees(self, finished: bool) -> bool:
         """Whether every rank of the job says ``finished`` (collective, bounded by FINISH_TIMEOUT_S;
@@ -269,9 +270,7 @@ class SnapshotEngine:
         because one rank or node ended, so a rank that died in the teardown keeps the versions."""
         if self._finish_group is None:
             return finished
-        # Kept: often the job's last collective. Were gloo's worker to drop its tensor's last reference
-        # during interpreter shutdown, it would take the GIL then and abort (pytorch/pytorch#190489).
-        self._vote = vote = torch.tensor([int(finished)], dtype=torch.int64)
+        vote = torch.tensor([int(finished)], dtype=torch.int64)
         try:
             dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._finish_group)
         except Exception as e:  # a rank died, or the process groups were destroyed first
@@ -279,3 +278,18 @@ class SnapshotEngine:
                          "memory stays for a restart", e)
             return False
         return bool(vote.item())
+
+
+def _end_groups(engine: SnapshotEngine) -> None:
+    """Destroy the engine's gloo groups (and the persistent tier's) and let go of every
+    reference to them, so that each group's destructor runs now and joins its gloo threads.
+    Left for interpreter shutdown, those threads end, or drop a collective's tensor (pytorch/
+    pytorch#190489), while Python is finalizing, which now and then aborted a rank at its
+    clean exit ("terminate called without an active exception")."""
+    destroy_groups(engine.job_group, engine._finish_group, engine.dp_peers.group, getattr(engine._column, "pg", None))
+    engine.job_group = engine._finish_group = None
+    engine.dp_peers = dataclasses.replace(engine.dp_peers, group=None)
+    engine._restorer.forget_groups(engine.dp_peers)
+    engine._committer.forget_groups()
+    if engine._column is not None:
+        engine._column.pg = None

@@ -77,9 +77,10 @@ def make_dp_groups(layout: ParallelLayout, rank: int):
 
 
 def destroy_groups(*groups: Optional[dist.ProcessGroup]) -> None:
-    """Destroy these groups (None skipped) while the interpreter is alive: a gloo group left
-    for interpreter shutdown may still hold work whose release then aborts the process
-    ("terminate called without an active exception", seen at exits of ftmem jobs)."""
+    """Destroy these groups (None skipped) while the interpreter is alive. A group's gloo
+    threads end only with its last reference: the caller lets go of it too, or they end
+    during interpreter shutdown, where they now and then abort the process ("terminate
+    called without an active exception", seen at clean exits of ftmem jobs)."""
     for group in groups:
         if group is not None and dist.is_initialized():
             dist.destroy_process_group(group)

@@ -33,6 +33,7 @@ from . import testhooks
 from .errors import ConfigError, FtmemError
 from .format import FrameworkFormat
 from .logs import job_info, rank_error, rank_info
+from .parallel import destroy_groups
 from .slots import write_atomically
 
 MANIFEST = "ftmem_flushed.json"  # what this tier completed, oldest first: [{"name", "version"}]
@@ -92,6 +93,11 @@ class Flusher:
         flush it — ``asked`` for this version by the adapter, or the interval-th one."""
         self._protected += 1
         return asked or (self.interval > 0 and self._protected % self.interval == 0)
+
+    def close(self) -> None:
+        """Destroy the tier's gloo group and let go of it (the engine is closed: no flush follows)."""
+        destroy_groups(self._group)
+        self._group = None
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -61,6 +61,10 @@ class Restorer:
     def rank(self) -> int:
         return self.store.rank
 
+    def forget_groups(self, peers: DataParallelPeers) -> None:
+        """The engine closed and destroyed its groups: hold none of them (see engine._end_groups)."""
+        self._gloo, self.peers = None, peers
+
     def intact(self) -> tuple[dict[int, CommitRecord], dict]:
         """Held versions whose checksums match: data records, and parity (record, bytes).
         A damaged, missing or empty file loses its version on this rank, like a lost node."""

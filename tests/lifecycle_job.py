@@ -4,6 +4,7 @@ rank saves a tensor per step, protected, and ends the way ``--end`` says.
     python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise} [--persist DIR]
 """
 import argparse
+import atexit
 import os
 import sys
 
@@ -29,6 +30,15 @@ class TensorFiles(FrameworkFormat):
         write_atomically(os.path.join(root, "newest"), name.encode())
 
 
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def report_threads_and_end(before: int) -> None:
+    print(f"rank {dist.get_rank()}: {before} threads before ftmem, {threads()} after its end", flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -38,6 +48,9 @@ def main() -> None:
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    # Registered before the runtime, so run after its end (atexit is last in, first out):
+    # by then ftmem's gloo threads must be gone, not left for interpreter shutdown.
+    atexit.register(report_threads_and_end, threads())
     config = FtmemConfig.from_dict({"ranks_per_node": 1, "ec": {"k": 1, "m": 1}, "shm_dir": os.environ["SHM_DIR"]})
     runtime = AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(), save_dir=args.out,
                              persist_dir=args.persist, persist_interval=1 if args.persist else 0)

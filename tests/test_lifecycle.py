@@ -4,6 +4,7 @@ Two ranks on two virtual nodes (k=1, m=1) run tests/lifecycle_job.py, a job on t
 adapter runtime, and end in different ways: real processes, real SMPs, real exits.
 """
 import os
+import re
 import signal
 
 import pytest
@@ -20,6 +21,14 @@ def run(shm_dir, out, *args, job=None, env=None, rank_env=None) -> LocalJob:
                     env={"SHM_DIR": shm_dir, **(env or {})}, rank_env=rank_env)
 
 
+def leaves_no_ftmem_thread(job: LocalJob) -> bool:
+    """Every rank had as many threads after ftmem's end as before ftmem started: its gloo
+    groups' threads ended while the interpreter was alive, not during its shutdown, where
+    they now and then aborted a rank at a clean exit."""
+    counts = [re.search(r"(\d+) threads before ftmem, (\d+) after its end", job.log(r)) for r in range(2)]
+    return all(c is not None and c.group(1) == c.group(2) for c in counts)
+
+
 def held(shm_dir, job):
     return {n["node"]: n["versions"] for n in jobs.status(shm_dir, job)["jobs"][0]["nodes"]}
 
@@ -27,7 +36,8 @@ def held(shm_dir, job):
 def test_sys_exit_keeps_the_newest_version_for_the_restart(shm_dir, tmp_path):
     """Finding 5: sys.exit(1) on every rank used to count as a clean end and free everything."""
     job = job_id()
-    assert run(shm_dir, tmp_path, "--steps", "3", "--end", "exit1", job=job).wait(TIMEOUT) == [1, 1]
+    ended = run(shm_dir, tmp_path, "--steps", "3", "--end", "exit1", job=job)
+    assert ended.wait(TIMEOUT) == [1, 1] and leaves_no_ftmem_thread(ended), ended.log(1)
     assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}
     back = run(shm_dir, tmp_path, "--steps", "4", job=job)
     assert back.wait(TIMEOUT) == [0, 0], back.log(0)
@@ -36,14 +46,15 @@ def test_sys_exit_keeps_the_newest_version_for_the_restart(shm_dir, tmp_path):
 
 def test_an_uncaught_exception_keeps_the_newest_version(shm_dir, tmp_path):
     job = job_id()
-    assert run(shm_dir, tmp_path, "--steps", "2", "--end", "raise", job=job).wait(TIMEOUT) == [1, 1]
+    ended = run(shm_dir, tmp_path, "--steps", "2", "--end", "raise", job=job)
+    assert ended.wait(TIMEOUT) == [1, 1] and leaves_no_ftmem_thread(ended), ended.log(1)
     assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
 
 
 def test_a_finish_without_a_persistent_tier_keeps_memory_and_says_how_to_free_it(shm_dir, tmp_path):
     job = job_id()
     done = run(shm_dir, tmp_path, "--steps", "2", job=job)
-    assert done.wait(TIMEOUT) == [0, 0]
+    assert done.wait(TIMEOUT) == [0, 0] and leaves_no_ftmem_thread(done), done.log(1)
     assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
     assert (f"job {job} keeps its newest version (2) in shared memory (no persistent tier is configured, so it is "
             f"not on disk): a restart of the same job resumes from it. To free it: ftmem clean --job {job} "
@@ -73,7 +84,8 @@ def test_a_relaunch_that_resumes_at_its_last_step_writes_it_to_the_tier_before_f
 
 def test_a_finish_with_its_newest_version_on_disk_frees_memory(shm_dir, tmp_path):
     job, persist = job_id(), tmp_path / "persist"
-    assert run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job).wait(TIMEOUT) == [0, 0]
+    done = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job)
+    assert done.wait(TIMEOUT) == [0, 0] and leaves_no_ftmem_thread(done), done.log(1)  # the tier's group too
     assert jobs.list_jobs(shm_dir) == []
     assert (persist / "newest").read_text() == "v3" and sorted(os.listdir(persist / "v3")) == ["rank0.pt", "rank1.pt"]
 
