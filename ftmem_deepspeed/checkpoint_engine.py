@@ -112,6 +112,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._memory_failed: Optional[str] = None  # why memory could not serve a restart, when it could not
         self._dir: Optional[str] = None  # the save dir: the job's origin
         self._served: Optional[tuple[str, dict]] = None  # (tag, every rank's files) last read by path
+        self._pid = os.getpid()
         FtmemCheckpointEngine._live[next(FtmemCheckpointEngine._created)] = self
 
     # -- DeepSpeed's interface ----------------------------------------------------------
@@ -217,10 +218,15 @@ class FtmemCheckpointEngine(CheckpointEngine):
     @classmethod
     def serving(cls, path: str) -> Optional["FtmemCheckpointEngine"]:
         """The newest started engine of this process whose save dir holds ``path`` as a
-        stub; None for any other path (torch reads it as usual)."""
+        stub; None for any other path (torch reads it as usual).
+
+        A forked child (a worker pool of the script or of DeepSpeed's ds_to_universal)
+        inherits the engines but not the right to use them: its collectives would share
+        the parent's store and gloo sockets. There the stub's own error says what to do."""
         checkpoint_dir = os.path.realpath(os.path.dirname(os.path.dirname(path)))
         for _, engine in sorted(cls._live.items(), reverse=True):
-            if engine.runtime is not None and os.path.realpath(engine._dir) == checkpoint_dir:
+            if (engine.runtime is not None and engine._pid == os.getpid()
+                    and os.path.realpath(engine._dir) == checkpoint_dir):
                 return engine if is_stub(path) else None
         return None
 

@@ -137,7 +137,8 @@ def ftmem_in_memory_checkpoint_stub(info: dict):
     job = info.get("job", "J")
     raise FtmemStubFile(
         f"{info.get('tag_file', 'this file')} is a stub of ftmem's in-memory checkpoint of job {job}: its data "
-        f"is in the job's shared memory. Only the job's own processes read it, while the ftmem engine that saved or "
-        f"restored it runs: load_checkpoint, and reads made on every rank at once (zero_to_fp32, torch.load). For "
+        f"is in the job's shared memory. Only the job's own rank processes read it (not processes they fork or spawn), "
+        f"while the ftmem engine that saved or restored it runs: load_checkpoint, and reads made on every rank at once "
+        f"(zero_to_fp32, torch.load). For "
         f"real checkpoint files, run `ftmem export --job {job} --out DIR` while the job's memory is held, or set "
         f"ftmem's persistent tier (\"persist\" in the \"ftmem\" config), which writes them in the background.")

@@ -2,17 +2,20 @@
 engine, which only the JSON config names (tests/test_deepspeed_json_switch.py).
 
     python -m tests.stock_deepspeed_train --config CONFIG.json --save-dir DIR --iters N --out DIR
-        [--save-16bit DIR] [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load]
+        [--save-16bit DIR] [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-in-worker]
 
 Each step's loss (as float hex) and the final weights go to ``--out``; it saves after
 every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the end,
 ``--save-16bit`` exports the model with ``engine.save_16bit_model``, and
 ``--read-back`` reads the newest checkpoint's files as scripts do, writing what it got
 to ``--out``: DeepSpeed's zero_to_fp32 in-process (on every rank, or on rank 0 only),
-or ``torch.load`` of the rank's model-states file by path.
+or ``torch.load`` of the rank's model-states file by path, in the rank itself or in a
+forked worker process (as DeepSpeed's ds_to_universal reads files).
 """
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 
 import torch
@@ -30,7 +33,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--save-16bit", default=None)
-    p.add_argument("--read-back", choices=("zero_to_fp32", "zero_to_fp32-on-rank-0", "torch-load"), default=None)
+    p.add_argument("--read-back", choices=("zero_to_fp32", "zero_to_fp32-on-rank-0", "torch-load",
+                                                     "torch-load-in-worker"), default=None)
     args = p.parse_args()
     with open(args.config) as f:
         config = json.load(f)
@@ -61,22 +65,36 @@ def main() -> None:
         print(f"rank {rank}: save_16bit_model returned {engine.save_16bit_model(args.save_16bit)}", flush=True)
     if args.read_back:
         read_back(args.read_back, engine, args.save_dir, os.path.join(args.out, f"rank{rank}.read-back.pt"))
+    torch.distributed.destroy_process_group()  # as PyTorch asks: no group's threads left to end at exit
 
 
 def read_back(how: str, engine, save_dir: str, out: str) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     rank = torch.distributed.get_rank()
-    if how == "torch-load":
+    if how.startswith("torch-load"):
         with open(os.path.join(save_dir, "latest")) as f:
             tag = f.read().strip()
-        got = torch.load(engine._get_ckpt_name(save_dir, tag), map_location="cpu", weights_only=False)["module"]
+        path = engine._get_ckpt_name(save_dir, tag)
+        if how == "torch-load-in-worker":
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+                print(f"rank {rank}: worker read {pool.submit(describe_read, path).result()}", flush=True)
+            return
+        got = torch.load(path, map_location="cpu", weights_only=False)["module"]
     elif how == "zero_to_fp32" or rank == 0:
         got = get_fp32_state_dict_from_zero_checkpoint(save_dir)
     else:
         return
     torch.save({k: v.clone() for k, v in got.items()}, out)
     print(f"rank {rank}: read back {len(got)} tensors with {how}", flush=True)
+
+
+def describe_read(path: str) -> str:
+    """In a worker process: what ``torch.load`` of ``path`` gave, as text (a worker's result is pickled)."""
+    try:
+        return f"{len(torch.load(path, map_location='cpu', weights_only=False)['module'])} tensors"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":

@@ -278,6 +278,28 @@ def test_zero_to_fp32_on_one_rank_is_refused_with_the_reason_not_left_waiting(sh
     assert not os.path.exists(tmp_path / "ftmem" / "rank0.read-back.pt")
 
 
+def test_a_stub_read_in_a_forked_worker_gets_the_stub_s_error_not_the_rank_s_collectives(shm_dir, tmp_path):
+    """Scripts and DeepSpeed's ds_to_universal read checkpoint files in forked worker
+    pools. The worker inherits the rank's engine, but a collective from it would share
+    the rank's store and gloo sockets: it gets the stub's error at once instead, while
+    the default engine's worker reads the real file."""
+    config, stock = config_pair("zero1.json", shm_dir, ec={"k": 1, "m": 1})
+    world = 2
+    for name, cfg, env in (("reference", stock, STOCK_ENV),
+                           ("ftmem", config, dict(ENV, FTMEM_COLLECTIVE_TIMEOUT_S="5"))):
+        run = stock_script(tmp_path, name, cfg, env, world, job_id(), 2, "--read-back", "torch-load-in-worker")
+        assert run.wait(TIMEOUT) == [0] * world, run.log(0)[-5000:]
+        for rank in range(world):
+            read = [line for line in run.log(rank).splitlines() if line.startswith(f"rank {rank}: worker read ")]
+            assert len(read) == 1, run.log(rank)[-3000:]
+            if name == "reference":
+                assert read[0] == f"rank {rank}: worker read 4 tensors"
+            else:
+                assert read[0].startswith(f"rank {rank}: worker read FtmemStubFile: global_step2/mp_rank_00_model_states.pt is a "
+                                          f"stub of ftmem's in-memory checkpoint of job "), read[0]
+                assert "(not processes they fork or spawn)" in read[0]
+
+
 def test_reading_stubs_without_ftmem_says_what_they_are_and_how_to_get_real_files(shm_dir, tmp_path):
     """zero_to_fp32 and a plain torch.load, in a process without ftmem's adapter, on the
     save dir of a ZeRO-3 job with ftmem: one clear error each, never 'invalid load key'."""
