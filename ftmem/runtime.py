@@ -22,6 +22,7 @@ import atexit
 import functools
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -199,6 +200,7 @@ class AdapterRuntime:
         if self._finished:
             return
         self._finished = True
+        _unfinished.discard(self)
         problem = "this rank ended with an uncaught exception" if self._crashed else None
         if problem is None:
             try:
@@ -239,9 +241,14 @@ def check_startup(config: FtmemConfig, rank: int, world_size: int) -> None:
         check_writable(config.persist.dir)
 
 
+# Runtimes of this process not yet finished, for the end of torch.distributed (below).
+_unfinished: "weakref.WeakSet[AdapterRuntime]" = weakref.WeakSet()
+
+
 def _close_at_exit(runtime: AdapterRuntime) -> None:
-    """Finish the job when the process exits, telling a crash (an uncaught exception, whose
-    snapshots must stay for the restart) from an ordinary end."""
+    """Finish the job when the process exits, or when the script ends torch.distributed
+    first, telling a crash (an uncaught exception, whose snapshots must stay for the
+    restart) from an ordinary end."""
     previous_hook = sys.excepthook
 
     def note_crash(*exc_info):
@@ -250,3 +257,33 @@ def _close_at_exit(runtime: AdapterRuntime) -> None:
 
     sys.excepthook = note_crash
     atexit.register(runtime.finish)
+    _unfinished.add(runtime)
+    _finish_before_the_process_group_ends()
+
+
+def _finish_before_the_process_group_ends() -> None:
+    """Scripts end with ``destroy_process_group()``, as PyTorch asks, before the process
+    exits. That destroys ftmem's groups too, so the end of the job (the ranks' vote, the
+    flush, the free) could no longer run at exit and the memory was kept with a warning.
+    Destroying the default group now runs that end first. An exception in flight there (a
+    ``finally:`` after a failure) counts as a crash, as it would at exit."""
+    stock = dist.destroy_process_group
+    if getattr(stock, "_ftmem", False):
+        return
+
+    @functools.wraps(stock)
+    def destroy_process_group(group=None):
+        if group is None or group is dist.GroupMember.WORLD:
+            failure = sys.exc_info()[1]
+            crashed = failure is not None and not (isinstance(failure, SystemExit) and failure.code in (0, None))
+            try:
+                for runtime in list(_unfinished):
+                    runtime._crashed = runtime._crashed or crashed
+                    runtime.finish()
+            finally:
+                stock(group)
+        else:
+            stock(group)
+
+    destroy_process_group._ftmem = True
+    dist.destroy_process_group = destroy_process_group

@@ -1,7 +1,11 @@
 """A job on the adapter runtime (ftmem.AdapterRuntime) for the lifecycle tests: every
-rank saves a tensor per step, protected, and ends the way ``--end`` says.
+rank saves a replicated tensor per step, protected, and ends the way ``--end`` says.
 
     python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise} [--persist DIR]
+        [--persist-interval N] [--destroys-group]
+
+With ``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
+PyTorch asks scripts to; else an exit hook does it after ftmem's end.
 """
 import argparse
 import atexit
@@ -35,8 +39,9 @@ def threads() -> int:
 
 
 def report_threads_and_end(before: int) -> None:
-    print(f"rank {dist.get_rank()}: {before} threads before ftmem, {threads()} after its end", flush=True)
-    dist.destroy_process_group()
+    print(f"rank {os.environ['RANK']}: {before} threads before ftmem, {threads()} after its end", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main() -> None:
@@ -45,23 +50,34 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--end", choices=("return", "exit1", "raise"), default="return")
     p.add_argument("--persist", default=None)
+    p.add_argument("--persist-interval", type=int, default=1)
+    p.add_argument("--destroys-group", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     # Registered before the runtime, so run after its end (atexit is last in, first out):
     # by then ftmem's gloo threads must be gone, not left for interpreter shutdown.
     atexit.register(report_threads_and_end, threads())
+    try:
+        train(args, world)
+    finally:
+        if args.destroys_group:
+            dist.destroy_process_group()
+
+
+def train(args, world: int) -> None:
     config = FtmemConfig.from_dict({"ranks_per_node": 1, "ec": {"k": 1, "m": 1}, "shm_dir": os.environ["SHM_DIR"]})
     runtime = AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(), save_dir=args.out,
-                             persist_dir=args.persist, persist_interval=1 if args.persist else 0)
+                             persist_dir=args.persist, persist_interval=args.persist_interval if args.persist else 0)
     resumption = runtime.restore()
     start = 1
     if resumption.source == MEMORY:
         runtime.resumed_from_memory(resumption.restored)
         start = resumption.restored.version + 1
     for step in range(start, args.steps + 1):
-        runtime.save({"w": torch.full((1000,), float(step))}, step)
-        runtime.wait_flushed()  # every version protected, and on disk with --persist (no flush is skipped)
+        w = torch.full((1000,), float(step))  # the same on every rank: each snapshots half (DP sharding)
+        runtime.save({"w": w}, step, replicated=lambda t: t is w)
+        runtime.wait_flushed()  # every version protected, and each interval-th on disk with --persist
     print(f"rank {dist.get_rank()}: trained to step {args.steps}", flush=True)
     if args.end == "exit1":
         sys.exit(1)

@@ -162,6 +162,7 @@ def main(argv=None) -> None:
     if args.out:
         torch.save(final_weights(engine, zero_stage), os.path.join(args.out, f"rank{rank}.final.pt"))
     engine.destroy()
+    torch.distributed.destroy_process_group()  # as PyTorch asks: no group's threads left to end at exit
 
 
 if __name__ == "__main__":
