@@ -29,7 +29,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, NotRecoverableFromMemory, ParallelLayout,
-                   check_startup, everyone_joins, flushed, gather_dp_groups, save_atomically)
+                   check_startup, everyone_joins, flushed, gather_dp_groups, job_info, save_atomically)
 
 from .format import DeepSpeedFormat
 from .stub import is_stub, read_stub, write_stub
@@ -144,13 +144,22 @@ class FtmemCheckpointEngine(CheckpointEngine):
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Start the snapshot of everything saved since ``create`` (its files become stubs);
-        returns at once. Files of no global step are an export, not a checkpoint
-        (``save_16bit_model``: one file on rank 0, nothing on the others): written for real,
-        as the default engine writes them, and not snapshotted."""
+        returns at once. Two kinds of save are exports, not checkpoints, written for real as
+        the default engine writes them and not snapshotted: files of no global step
+        (``save_16bit_model``: one file on rank 0, nothing on the others), and a save into
+        a directory other than the job's save dir (its versions are numbered by global
+        step: a snapshot of the same step would replace the one the save dir's stubs name)."""
         files, replicated = self._files, self._replicated
         self._files, self._replicated, self._served = {}, set(), None
-        if not _global_steps(files):
+        elsewhere = self._dir is not None and os.path.realpath(info.save_dir) != os.path.realpath(self._dir)
+        if not _global_steps(files) or elsewhere:
+            if elsewhere:
+                job_info("%s is not this job's save dir (%s): this checkpoint is written there as real files, as "
+                         "the default engine writes them, and is not snapshotted", info.save_dir, self._dir)
             for path, state_dict in files.items():
+                first_replica = self.runtime is None or self.runtime.dp_ranks[0] == dist.get_rank()
+                if elsewhere and self._holds_replicated_module(state_dict) and not first_replica:
+                    continue  # the first DP replica writes the replicated model states, as the default engine does
                 save_atomically(state_dict, path)
             return True
         version = self._version(files)

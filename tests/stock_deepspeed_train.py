@@ -2,11 +2,12 @@
 engine, which only the JSON config names (tests/test_deepspeed_json_switch.py).
 
     python -m tests.stock_deepspeed_train --config CONFIG.json --save-dir DIR --iters N --out DIR
-        [--save-16bit DIR] [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-in-worker]
+        [--save-16bit DIR] [--also-save-to DIR] [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-in-worker]
 
 Each step's loss (as float hex) and the final weights go to ``--out``; it saves after
 every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the end,
-``--save-16bit`` exports the model with ``engine.save_16bit_model``, and
+``--save-16bit`` exports the model with ``engine.save_16bit_model``,
+``--also-save-to`` saves the last step's checkpoint once more into another directory, and
 ``--read-back`` reads the newest checkpoint's files as scripts do, writing what it got
 to ``--out``: DeepSpeed's zero_to_fp32 in-process (on every rank, or on rank 0 only),
 or ``torch.load`` of the rank's model-states file by path, in the rank itself or in a
@@ -33,6 +34,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--save-16bit", default=None)
+    p.add_argument("--also-save-to", default=None)
     p.add_argument("--read-back", choices=("zero_to_fp32", "zero_to_fp32-on-rank-0", "torch-load",
                                                      "torch-load-in-worker"), default=None)
     args = p.parse_args()
@@ -63,6 +65,8 @@ def main() -> None:
                os.path.join(args.out, f"rank{rank}.final.pt"))
     if args.save_16bit:
         print(f"rank {rank}: save_16bit_model returned {engine.save_16bit_model(args.save_16bit)}", flush=True)
+    if args.also_save_to:
+        engine.save_checkpoint(args.also_save_to, client_state={"next_step": args.iters})
     if args.read_back:
         read_back(args.read_back, engine, args.save_dir, os.path.join(args.out, f"rank{rank}.read-back.pt"))
     torch.distributed.destroy_process_group()  # as PyTorch asks: no group's threads left to end at exit

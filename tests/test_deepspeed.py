@@ -209,6 +209,31 @@ def test_save_16bit_model_writes_a_real_file_equal_to_the_default_engine_s(stage
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
+def test_a_save_into_another_directory_writes_real_files_and_keeps_the_job_s_snapshot(shm_dir, tmp_path):
+    """A second save_checkpoint of the same step into another directory (a copy, as
+    DeepSpeed's frozen-weights tests make) is written as the default engine writes it,
+    real files, and not snapshotted: a snapshot of that step would replace the one the
+    save dir's stubs name. The job then resumes from its own snapshot."""
+    config, stock = config_pair("zero1.json", shm_dir, ec={"k": 1, "m": 1})
+    world, job, copies = 2, job_id(), {}
+    for name, cfg, env, j in (("reference", stock, STOCK_ENV, job_id()), ("ftmem", config, ENV, job)):
+        copy = tmp_path / name / "copy" / "global_step3"
+        run = stock_script(tmp_path, name, cfg, env, world, j, 3, "--also-save-to", str(copy.parent))
+        assert run.wait(TIMEOUT) == [0] * world, run.log(0)[-5000:]
+        copies[name] = {f: torch.load(str(copy / f), weights_only=False) for f in sorted(os.listdir(copy))}
+        assert not any(is_stub(str(copy / f)) for f in copies[name])
+    assert f"{tmp_path / 'ftmem' / 'copy'} is not this job's save dir ({tmp_path / 'ftmem' / 'ckpt'}): this " \
+           f"checkpoint is written there as real files" in run.log(0)
+    assert copies["ftmem"].keys() == copies["reference"].keys()
+    mine, theirs = copies["ftmem"]["mp_rank_00_model_states.pt"], copies["reference"]["mp_rank_00_model_states.pt"]
+    assert mine["module"].keys() == theirs["module"].keys()
+    assert all(torch.equal(mine["module"][k], theirs["module"][k]) for k in theirs["module"])
+    assert is_stub(str(tmp_path / "ftmem" / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt"))
+    again = stock_script(tmp_path, "ftmem", config, ENV, world, job, 4)
+    assert again.wait(TIMEOUT) == [0] * world, again.log(0)[-5000:]
+    assert logged(restored_from_memory(3, 0, "tag global_step3"), again.log(0)), again.log(0)[-3000:]
+
+
 @pytest.mark.parametrize("load", ["--no-optimizer-states", "--module-only"])
 def test_zero3_module_loads_are_served_from_memory_bitwise(load, shm_dir, tmp_path):
     """ZeRO-3 load_checkpoint(..., load_optimizer_states=False) rebuilds the weights with
