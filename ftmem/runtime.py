@@ -273,16 +273,14 @@ def _finish_before_the_process_group_ends() -> None:
 
     @functools.wraps(stock)
     def destroy_process_group(group=None):
-        if group is None or group is dist.GroupMember.WORLD:
-            failure = sys.exc_info()[1]
-            crashed = failure is not None and not (isinstance(failure, SystemExit) and failure.code in (0, None))
-            try:
+        try:
+            if group is None or group is dist.GroupMember.WORLD:
+                failure = sys.exc_info()[1]
+                crashed = failure is not None and not (isinstance(failure, SystemExit) and failure.code in (0, None))
                 for runtime in list(_unfinished):
                     runtime._crashed = runtime._crashed or crashed
                     runtime.finish()
-            finally:
-                stock(group)
-        else:
+        finally:
             stock(group)
 
     destroy_process_group._ftmem = True

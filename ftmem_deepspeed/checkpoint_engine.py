@@ -156,10 +156,11 @@ class FtmemCheckpointEngine(CheckpointEngine):
             if elsewhere:
                 job_info("%s is not this job's save dir (%s): this checkpoint is written there as real files, as "
                          "the default engine writes them, and is not snapshotted", info.save_dir, self._dir)
+            # The first DP replica writes the replicated model states, as the default engine does.
+            first_replica = self.runtime is None or self.runtime.dp_ranks[0] == dist.get_rank()
             for path, state_dict in files.items():
-                first_replica = self.runtime is None or self.runtime.dp_ranks[0] == dist.get_rank()
                 if elsewhere and self._holds_replicated_module(state_dict) and not first_replica:
-                    continue  # the first DP replica writes the replicated model states, as the default engine does
+                    continue
                 save_atomically(state_dict, path)
             return True
         version = self._version(files)

@@ -2,7 +2,8 @@
 engine, which only the JSON config names (tests/test_deepspeed_json_switch.py).
 
     python -m tests.stock_deepspeed_train --config CONFIG.json --save-dir DIR --iters N --out DIR
-        [--save-16bit DIR] [--also-save-to DIR] [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-in-worker]
+        [--save-16bit DIR] [--also-save-to DIR]
+        [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-in-worker]
 
 Each step's loss (as float hex) and the final weights go to ``--out``; it saves after
 every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the end,
@@ -35,8 +36,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--save-16bit", default=None)
     p.add_argument("--also-save-to", default=None)
-    p.add_argument("--read-back", choices=("zero_to_fp32", "zero_to_fp32-on-rank-0", "torch-load",
-                                                     "torch-load-in-worker"), default=None)
+    p.add_argument("--read-back", default=None,
+                   choices=("zero_to_fp32", "zero_to_fp32-on-rank-0", "torch-load", "torch-load-in-worker"))
     args = p.parse_args()
     with open(args.config) as f:
         config = json.load(f)

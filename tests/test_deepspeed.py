@@ -320,8 +320,9 @@ def test_a_stub_read_in_a_forked_worker_gets_the_stub_s_error_not_the_rank_s_col
             if name == "reference":
                 assert read[0] == f"rank {rank}: worker read 4 tensors"
             else:
-                assert read[0].startswith(f"rank {rank}: worker read FtmemStubFile: global_step2/mp_rank_00_model_states.pt is a "
-                                          f"stub of ftmem's in-memory checkpoint of job "), read[0]
+                stub_error = ("FtmemStubFile: global_step2/mp_rank_00_model_states.pt is a stub of ftmem's "
+                              "in-memory checkpoint of job ")
+                assert read[0].startswith(f"rank {rank}: worker read {stub_error}"), read[0]
                 assert "(not processes they fork or spawn)" in read[0]
 
 
