@@ -107,21 +107,30 @@ def shard_bytes(slot_bytes: torch.Tensor, plan: SnapshotPlan) -> torch.Tensor:
 
 
 def read_from_slot(slot_bytes: torch.Tensor, plan: SnapshotPlan, device: torch.device,
-                   stream: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    """Tensors rebuilt on ``device``, never views of shared memory: unique entries are
-    copied out of the slot; replicated entries are views of the ``stream`` gathered from
-    the replicas (private memory already, so not copied again on the CPU)."""
-    out = []
-    for entry in plan.entries:
-        if entry.replicated and device.type == "cpu":
-            t = slot_view(stream, entry)
-        else:
-            t = torch.empty(entry.shape, dtype=entry.dtype, device=device)
-            if entry.nbytes:
-                t.copy_(slot_view(stream if entry.replicated else slot_bytes, entry))
+                   replicated_stream: Optional[Callable[[], torch.Tensor]] = None) -> list[torch.Tensor]:
+    """Tensors rebuilt on ``device``, never views of shared memory. Unique entries are
+    copied out of the slot first; then ``replicated_stream()`` gives the whole replicated
+    stream (gathered from the replicas: private memory already, so replicated entries are
+    views of it on the CPU). Asking for it last lets a gather run beside the copies."""
+    out: list = [None] * len(plan.entries)
+    for i, entry in enumerate(plan.entries):
+        if not entry.replicated:
+            out[i] = _copied(entry, slot_bytes, device)
+    if any(entry.replicated for entry in plan.entries):
+        stream = replicated_stream()
+        for i, entry in enumerate(plan.entries):
+            if entry.replicated:
+                out[i] = slot_view(stream, entry) if device.type == "cpu" else _copied(entry, stream, device)
+    for i, (t, entry) in enumerate(zip(out, plan.entries)):
         if entry.is_parameter:
-            t = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
+            out[i] = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
         elif entry.requires_grad:
             t.requires_grad_(True)
-        out.append(t)
     return out
+
+
+def _copied(entry, source: torch.Tensor, device: torch.device) -> torch.Tensor:
+    t = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+    if entry.nbytes:
+        t.copy_(slot_view(source, entry))
+    return t

@@ -150,9 +150,9 @@ def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
             for r in group:
                 mm = mapped.enter_context(held.stores[r].map_slot(records[r].slot, writable=True))  # only read;
                 slots[r] = torch.frombuffer(mm, dtype=torch.uint8)  # writable spares a copy
-            # The replicated stream, from every replica's slice, in order (private memory).
-            stream = (torch.cat([shard_bytes(slots[r], records[r].plan) for r in group])
-                      if record.plan.shard is not None else None)
+            def stream() -> torch.Tensor:  # the replicated stream, from every replica's slice, in order
+                return torch.cat([shard_bytes(slots[r], records[r].plan) for r in group])  # (private memory)
+
             tensors = read_from_slot(slots[rank], record.plan, torch.device("cpu"), stream)
             del slots  # the maps close with no view left
         # A slot's commit marker goes before it is overwritten: if every marker is still

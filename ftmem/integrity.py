@@ -7,8 +7,8 @@ every marker carries a checksum of its own payload (:mod:`ftmem.slots`). A versi
 therefore never counts as committed without a checksum of exactly what was written,
 and nothing computed later from whatever bytes are there can bless a damaged one.
 
-Restore and export read a version only through :func:`verify` (data) and
-:func:`verify_parity` (parity pieces). A mismatch, or a slot or marker file that is
+Restore and export read a version only through :func:`verify` or :func:`check_data`
+(data) and :func:`check_parity` (parity pieces). A mismatch, or a slot or marker file that is
 missing, empty, short or unreadable, is a :class:`CorruptShard`, which restore treats
 as a lost shard (rebuilt from parity, or an older version used), never as data.
 """
@@ -36,19 +36,21 @@ def _checksums(store: RankStore, slot: int, kind: str, spans: list[tuple[int, in
 def verify(store: RankStore, version: int) -> CommitRecord:
     """The version's record if its marker is intact and its bytes match the writer's
     checksum; CorruptShard if not."""
-    record = store.read_commit(version)
-    what = f"rank {store.rank} version {version}"
+    return check_data(store, store.read_commit(version))
+
+
+def check_data(store: RankStore, record: CommitRecord) -> CommitRecord:
+    """``record`` (read from an intact marker) if the slot bytes match its checksum; CorruptShard if not."""
+    what = f"rank {store.rank} version {record.version}"
     (data,) = _checksums(store, record.slot, DATA, [(0, record.plan.nbytes)], what)
     if data != record.checksum:
         raise CorruptShard(f"{what}: data in {store.slot_path(record.slot)} does not match its checksum.")
     return record
 
 
-def verify_parity(store: RankStore, version: int) -> ParityRecord:
-    """The version's parity record if its marker is intact and its pieces match their
-    checksums; CorruptShard if not."""
-    record = store.read_parity(version)
-    what = f"rank {store.rank} version {version}"
+def check_parity(store: RankStore, record: ParityRecord) -> ParityRecord:
+    """``record`` (read from an intact marker) if its pieces match their checksums; CorruptShard if not."""
+    what = f"rank {store.rank} version {record.version}"
     piece = record.piece_size
     spans = [(i * piece, (i + 1) * piece) for i in range(len(record.checksums))]
     for i, (got, expected) in enumerate(zip(_checksums(store, record.slot, PARITY, spans, what), record.checksums)):

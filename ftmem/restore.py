@@ -6,6 +6,7 @@ Everything here is collective and runs on the training thread, at restart only.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -22,7 +23,7 @@ from .plan import SnapshotPlan
 from .protect import ColumnCoder, Geometry, Topology, plan_recovery, with_slot
 from .serialize import join_state
 from .slot_memory import SlotMemory
-from .slots import DATA, PARITY, CommitRecord, RankStore
+from .slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore
 
 
 @dataclass
@@ -65,34 +66,76 @@ class Restorer:
         """The engine closed and destroyed its groups: hold none of them (see engine._end_groups)."""
         self._gloo, self.peers = None, peers
 
-    def intact(self) -> tuple[dict[int, CommitRecord], dict]:
-        """Held versions whose checksums match: data records, and parity (record, bytes).
-        A damaged, missing or empty file loses its version on this rank, like a lost node."""
+    def held(self) -> tuple[dict[int, CommitRecord], dict[int, ParityRecord]]:
+        """Held versions whose markers are intact: data and parity records. Their bytes are
+        checked only once a restore is about to use them (:meth:`_check`), so a restart reads
+        one version's bytes, not every held version's."""
         data, parity = {}, {}
         for v in sorted(self.store.committed()):
             try:
-                data[v] = integrity.verify(self.store, v)
+                data[v] = self.store.read_commit(v)
             except CorruptShard as e:
-                rank_warning(self.rank, "%s Treating it as lost.", e)
-                self.store.drop(v)
+                self._lose_data(v, e, data, parity)
         for v in sorted(self.store.parity_held()):
             try:
-                record = integrity.verify_parity(self.store, v)
-                parity[v] = (record, self.memory.bytes_of(record.slot, PARITY).numpy())
+                parity[v] = self.store.read_parity(v)
             except CorruptShard as e:
-                rank_warning(self.rank, "%s Treating it as lost.", e)
-                self.store.drop_parity(v)
+                self._lose_parity(v, e, parity)
         return data, parity
+
+    # A damaged, missing or empty file loses its version on this rank, like a lost node:
+    # damaged data takes the rank's parity of that version with it.
+    def _lose_data(self, version: int, why: CorruptShard, data: dict, parity: dict) -> None:
+        rank_warning(self.rank, "%s Treating it as lost.", why)
+        self.store.drop(version)
+        data.pop(version, None)
+        parity.pop(version, None)
+
+    def _lose_parity(self, version: int, why: CorruptShard, parity: dict) -> None:
+        rank_warning(self.rank, "%s Treating it as lost.", why)
+        self.store.drop_parity(version)
+        parity.pop(version, None)
+
+    def _check(self, version: int, data: dict, parity: dict, parity_needed: bool) -> bool:
+        """Check this rank's bytes of ``version`` against their checksums (its parity too, when
+        the restore rebuilds from it); whether any was damaged and is now dropped."""
+        damaged = False
+        try:
+            if version in data:
+                integrity.check_data(self.store, data[version])
+        except CorruptShard as e:
+            self._lose_data(version, e, data, parity)
+            damaged = True
+        try:
+            if parity_needed and version in parity:
+                integrity.check_parity(self.store, parity[version])
+        except CorruptShard as e:
+            self._lose_parity(version, e, parity)
+            damaged = True
+        return damaged
+
+    def _agree(self, version: Optional[int], data: dict, parity: dict):
+        """The job's choice, as :func:`plan_recovery` makes it from every rank's held versions,
+        with the chosen version's bytes checked on every rank; a rank with damaged bytes drops
+        them and the job chooses again. Returns None, or (chosen, to_rebuild, every rank's held)."""
+        while True:
+            held = gather_objects(({v: r.plan.nbytes for v, r in data.items()},
+                                   {v: Geometry.of(p) for v, p in parity.items()}), self._gloo)
+            decision = plan_recovery(self.topology, [d for d, _ in held], [p for _, p in held], version)
+            if decision is None:
+                return None
+            chosen, to_rebuild = decision
+            damaged = self._check(chosen, data, parity, parity_needed=bool(to_rebuild))
+            if not any(gather_objects(damaged, self._gloo)):
+                return chosen, to_rebuild, held
 
     def restore(self, version: Optional[int], device: torch.device, drop_newer: bool = True) -> Optional[Restored]:
         """See :meth:`ftmem.SnapshotEngine.restore`."""
-        data, parity = self.intact()
-        held = gather_objects(({v: r.plan.nbytes for v, r in data.items()},
-                               {v: Geometry.of(p) for v, (p, _) in parity.items()}), self._gloo)
-        decision = plan_recovery(self.topology, [d for d, _ in held], [p for _, p in held], version)
+        data, parity = self.held()
+        decision = self._agree(version, data, parity)
         if decision is None:
             return None
-        chosen, to_rebuild = decision
+        chosen, to_rebuild, held = decision
         # The crash tests' "mid-restore": the job agreed on ``chosen``; nothing rebuilt or read yet.
         testhooks.at("mid_restore", self.rank, chosen)
         if to_rebuild:
@@ -110,16 +153,28 @@ class Restorer:
         if mismatch:
             raise LayoutMismatch(f"version {chosen} was saved under another parallel layout ({mismatch}). "
                                  f"Restart with the layout it was saved with, or restore from a disk checkpoint.")
-        state = self.read_version(record, self.memory.bytes_of(record.slot), device)
+        state = self.read_version(record, self.memory.bytes_of(record.slot), device, gather_in_thread=True)
         if drop_newer:
             self.store.drop_from(chosen + 1)
         return Restored(version=chosen, state=state, rebuilt=self.rank in to_rebuild)
 
-    def read_version(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device) -> Any:
+    def read_version(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device,
+                     gather_in_thread: bool = False) -> Any:
         """The whole state of a version, in private memory on ``device``; a DP-sharded one
-        is gathered back from the replicas (collective over the DP group)."""
-        stream = self._gather_replicated(record.plan, slot_bytes) if record.plan.shard else None
-        return join_state(record.skeleton, read_from_slot(slot_bytes, record.plan, device, stream))
+        is gathered back from the replicas (collective over the DP group). With
+        ``gather_in_thread`` the gather runs in a thread of its own while this one copies
+        the rank's unique bytes out of the slot: restore does, at start. The flush does not:
+        it may run at interpreter exit, where no new thread can start."""
+        plan = record.plan
+        if not plan.shard:
+            tensors = read_from_slot(slot_bytes, plan, device)
+        elif not gather_in_thread:
+            tensors = read_from_slot(slot_bytes, plan, device, lambda: self._gather_replicated(plan, slot_bytes))
+        else:
+            with ThreadPoolExecutor(1, thread_name_prefix="ftmem-gather") as pool:
+                gathered = pool.submit(self._gather_replicated, plan, slot_bytes)
+                tensors = read_from_slot(slot_bytes, plan, device, gathered.result)
+        return join_state(record.skeleton, tensors)
 
     def _gather_replicated(self, plan: SnapshotPlan, slot_bytes: torch.Tensor) -> torch.Tensor:
         """The whole replicated stream, from every DP replica's slice (collective over the DP group)."""
@@ -153,7 +208,8 @@ class Restorer:
         has_data = {pos for pos, r in enumerate(ranks) if version in held[r][0]}
         has_parity = {pos for pos, r in enumerate(ranks) if version in held[r][1]}
         mine = self.memory.bytes_of(data[version].slot).numpy() if version in data else None
-        rebuilt = self._column.rebuild(has_data, has_parity, mine, parity.get(version))
+        theirs = (parity[version], self.memory.bytes_of(parity[version].slot, PARITY).numpy()) if version in parity else None
+        rebuilt = self._column.rebuild(has_data, has_parity, mine, theirs)
         if rebuilt is None:
             return None
         record, raw = rebuilt
