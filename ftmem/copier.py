@@ -129,7 +129,7 @@ def read_from_slot(slot_bytes: torch.Tensor, plan: SnapshotPlan, device: torch.d
     return out
 
 
-def _copied(entry, source: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _copied(entry: TensorEntry, source: torch.Tensor, device: torch.device) -> torch.Tensor:
     t = torch.empty(entry.shape, dtype=entry.dtype, device=device)
     if entry.nbytes:
         t.copy_(slot_view(source, entry))

@@ -2,7 +2,9 @@
 rebuild what lost nodes held from their EC column's parity, gather DP-sharded state
 back from the replicas, and hand out private tensors.
 
-Everything here is collective and runs on the training thread, at restart only.
+Everything here is collective. A restore runs at restart, on the training thread, with
+the DP gather in a thread beside its copy; the persistent tier's flush reads a version
+through :meth:`Restorer.read_version` too, on whichever thread flushes.
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ class Restorer:
             damaged = True
         return damaged
 
-    def _agree(self, version: Optional[int], data: dict, parity: dict):
+    def _agree(self, version: Optional[int], data: dict, parity: dict) -> Optional[tuple[int, list[int], list]]:
         """The job's choice, as :func:`plan_recovery` makes it from every rank's held versions,
         with the chosen version's bytes checked on every rank; a rank with damaged bytes drops
         them and the job chooses again. Returns None, or (chosen, to_rebuild, every rank's held)."""
@@ -208,7 +210,9 @@ class Restorer:
         has_data = {pos for pos, r in enumerate(ranks) if version in held[r][0]}
         has_parity = {pos for pos, r in enumerate(ranks) if version in held[r][1]}
         mine = self.memory.bytes_of(data[version].slot).numpy() if version in data else None
-        theirs = (parity[version], self.memory.bytes_of(parity[version].slot, PARITY).numpy()) if version in parity else None
+        theirs = None
+        if version in parity:
+            theirs = (parity[version], self.memory.bytes_of(parity[version].slot, PARITY).numpy())
         rebuilt = self._column.rebuild(has_data, has_parity, mine, theirs)
         if rebuilt is None:
             return None
