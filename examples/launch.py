@@ -63,11 +63,11 @@ class LocalJob:
         def ready() -> bool:
             dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
             if dead and not predicate():
-                raise RuntimeError(f"rank(s) {dead} exited while waiting for {what}. Logs:\n{self._tails()}")
+                raise RuntimeError(f"rank(s) {dead} exited while waiting for {what}. Logs:\n{self.tails()}")
             return predicate()
         wait_until(ready, timeout, what)
 
-    def _tails(self) -> str:
+    def tails(self) -> str:
         return "\n".join(f"--- rank {r} ---\n{self.log(r)[-3000:]}" for r in range(len(self.procs)))
 
     def kill(self, rank: int) -> None:
@@ -87,7 +87,7 @@ class LocalJob:
             return [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in self.procs]
         except subprocess.TimeoutExpired:
             self.kill_all()
-            raise TimeoutError(f"job did not finish within {timeout:.0f} s; killed it. Logs:\n{self._tails()}")
+            raise TimeoutError(f"job did not finish within {timeout:.0f} s; killed it. Logs:\n{self.tails()}")
 
     def __enter__(self) -> "LocalJob":
         return self
@@ -112,5 +112,5 @@ def run_for_figures(module: str, args: Sequence[str], world_size: int, job_id: s
         codes = ranks.wait(timeout)
     line = next((ln for ln in LocalJob.read_log(log_dir, 0).splitlines() if ln.startswith(FIGURES)), None)
     if codes != [0] * world_size or line is None:
-        raise RuntimeError(f"the {what} benchmark failed (exit codes {codes}):\n{ranks._tails()}")
+        raise RuntimeError(f"the {what} benchmark failed (exit codes {codes}):\n{ranks.tails()}")
     return json.loads(line[len(FIGURES):])
