@@ -235,9 +235,10 @@ class SnapshotEngine:
         lacks the version (its node was lost, or its copy is corrupt) gets its data
         rebuilt from its EC group's parity. Returns None if no rank holds any version
         (a fresh job); raises :class:`~ftmem.errors.NotRecoverableFromMemory`, naming
-        the groups and nodes, if versions are held but none is recoverable for every
-        rank, and :class:`~ftmem.errors.LayoutMismatch` if it was saved under another
-        layout. Newer versions are dropped unless ``drop_newer`` is False (tools' reads)."""
+        the groups and nodes, if versions are held (even if all prove damaged) but none
+        is recoverable for every rank, and :class:`~ftmem.errors.LayoutMismatch` if it
+        was saved under another layout. Newer versions are dropped unless ``drop_newer``
+        is False (tools' reads)."""
         self.wait()  # a save in flight commits first
         return self._restorer.restore(version, torch.device(device), drop_newer)
 

@@ -133,9 +133,11 @@ class Restorer:
 
     def restore(self, version: Optional[int], device: torch.device, drop_newer: bool = True) -> Optional[Restored]:
         """See :meth:`ftmem.SnapshotEngine.restore`."""
+        on_entry = sorted(set(self.store.committed()) | set(self.store.parity_held()))
         data, parity = self.held()
         decision = self._agree(version, data, parity)
         if decision is None:
+            self._refuse_a_fresh_start(on_entry)
             return None
         chosen, to_rebuild, held = decision
         # The crash tests' "mid-restore": the job agreed on ``chosen``; nothing rebuilt or read yet.
@@ -159,6 +161,16 @@ class Restorer:
         if drop_newer:
             self.store.drop_from(chosen + 1)
         return Restored(version=chosen, state=state, rebuilt=self.rank in to_rebuild)
+
+    def _refuse_a_fresh_start(self, on_entry: list[int]) -> None:
+        """No rank has intact data of any version. That is a fresh job only if no rank held
+        anything when the restore began: versions whose every copy was found damaged (and
+        dropped) must not pass for a job that never saved."""
+        held = sorted(set().union(*gather_objects(on_entry, self._gloo)))
+        if held:
+            raise NotRecoverableFromMemory(
+                f"memory held version(s) {held} of this job, but no rank has intact data of any of them (each "
+                f"rank's log names the damaged files it dropped). Fall back to a disk checkpoint.")
 
     def read_version(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device,
                      gather_in_thread: bool = False) -> Any:

@@ -12,7 +12,7 @@ import torch
 
 from conftest import flip_byte, job_id, run_cli
 from examples.launch import wait_until
-from ftmem import SnapshotEngine
+from ftmem import NotRecoverableFromMemory, SnapshotEngine
 from ftmem.checksum import checksum
 from ftmem.procs import pid_alive
 from ftmem.slots import PARITY, RankStore
@@ -114,6 +114,30 @@ def test_a_missing_empty_or_short_slot_file_is_a_lost_shard(shm_dir, ftmem_log, 
     assert "rank 0 version 2:" in ftmem_log.text() and "Treating it as lost" in ftmem_log.text()
     again.save({"w": torch.full((4096,), 3.0)}, 3).wait_committed()  # into the damaged slot, allocated again
     assert torch.equal(again.restore().state["w"], torch.full((4096,), 3.0))
+    again.close(job_finished=True)
+
+
+@pytest.mark.parametrize("what", ["data", "markers"])
+def test_a_job_whose_every_version_is_damaged_is_not_taken_for_a_fresh_job(shm_dir, ftmem_log, what):
+    """With every held version dropped as damaged, nothing is left, as for a job that never
+    saved: the restart would have started from scratch with no word of the versions lost.
+    It is refused as not recoverable, naming them, so the adapter falls back to the disk
+    (or says why it starts from scratch)."""
+    job = job_id()
+    engine = make_engine(shm_dir, job)
+    for v in (1, 2):
+        engine.save({"w": torch.full((4096,), float(v))}, v).wait_committed()
+    engine.close()
+    for v, slot in engine.store.committed().items():
+        path = engine.store.slot_path(slot) if what == "data" else engine.store.commit_path(v, slot)
+        flip_byte(path, 100)
+
+    again = make_engine(shm_dir, job)  # the restart
+    with pytest.raises(NotRecoverableFromMemory, match=r"memory held version\(s\) \[1, 2\] of this job, but no rank "
+                                                       r"has intact data of any of them"):
+        again.restore()
+    assert ftmem_log.text().count("Treating it as lost") == 2
+    assert again.restore() is None  # the damaged versions are gone: now it is a fresh start
     again.close(job_finished=True)
 
 
