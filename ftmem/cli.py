@@ -8,6 +8,8 @@ points of group ``ftmem.tools`` (``bench-<name>`` and ``demo``), each a
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import math
 import os
@@ -61,6 +63,23 @@ def shm_dir_arg(text: str) -> str:
     return text
 
 
+def admitted_global_arg(text: str) -> object:
+    """A class (or function) named as an UnadmittedType error names it, ``package.module.Name``:
+    imported here, since the user's training processes admitted it in their own memory."""
+    parts = text.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest prefix that imports is the module
+        try:
+            module = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            return functools.reduce(getattr, parts[cut:], module)
+        except AttributeError:
+            break
+    raise argparse.ArgumentTypeError(f"cannot import {text!r}: give the name the error printed (module path and "
+                                     f"class), and run ftmem where that module imports (its PYTHONPATH)")
+
+
 def job_id_arg(text: str) -> str:
     try:
         return check_job_id(text)
@@ -107,8 +126,11 @@ def _cmd_clean(args) -> int:
 
 
 def _cmd_export(args) -> int:
+    import torch
+
     from .export import export
 
+    torch.serialization.add_safe_globals(args.admit)
     done = export(args.shm_dir, args.job, args.out, args.version, force=args.force)
     print(f"job {args.job}: exported version {done.version} to {done.path}: {done.nbytes / 2**20:.1f} MiB written "
           f"in {done.seconds:.2f} s ({done.nbytes / max(done.seconds, 1e-9) / 1e9:.2f} GB/s)")
@@ -209,6 +231,9 @@ def main(argv=None) -> int:
                                                  "directory and latest; Megatron: iter_XXXXXXX and its tracker)")
     p.add_argument("--force", action="store_true", help="replace the checkpoint directory and the pointer file "
                                                         "if --out already holds them (refused otherwise)")
+    p.add_argument("--admit", metavar="MODULE.NAME", type=admitted_global_arg, action="append", default=[],
+                   help="a type of the job's state that its processes admitted with torch.serialization."
+                        "add_safe_globals; admit it here too (repeatable)")
     installed = _tools()
     benches = dict(BENCHES, **{name[len("bench-"):]: f"({ep.value})" for name, ep in installed.items()
                                if name.startswith("bench-") and name[len("bench-"):] not in BENCHES})

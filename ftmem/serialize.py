@@ -68,7 +68,8 @@ def _unadmitted(name: str, when: str) -> UnadmittedType:
         f"written it there, and loading it could run code). Admitted are plain containers and scalars, "
         f"OrderedDict/defaultdict, argparse.Namespace, numpy arrays and torch dtypes/Size/device. If {name} is "
         f"yours and safe to construct, admit it in every process of the job, before its first save and restore: "
-        f"torch.serialization.add_safe_globals([{name}]); else keep it out of the saved state."
+        f"torch.serialization.add_safe_globals([{name}]) (and `ftmem export --admit {name}`); else keep it out "
+        f"of the saved state."
     )
 
 

@@ -193,6 +193,40 @@ def test_a_save_learns_of_an_unadmitted_type_at_once_and_add_safe_globals_admits
     engine.close(job_finished=True)
 
 
+def test_export_admits_a_type_of_the_job_s_own_when_named_with_admit(shm_dir, tmp_path, monkeypatch):
+    """The job admitted its type in its own processes; ``ftmem export`` runs in another,
+    which refuses the type by name until ``--admit`` names it there too."""
+    (tmp_path / "mytypes.py").write_text("import dataclasses\n\n\n@dataclasses.dataclass\nclass Note:\n    text: str\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mytypes
+    job = job_id()
+    engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job, "ranks_per_node": 1}, rank=0, world_size=1,
+                            format="deepspeed")
+    model_states = {"module": {"w": torch.arange(4.0)}, "note": mytypes.Note("x")}
+    with torch.serialization.safe_globals([mytypes.Note]):
+        engine.save({"files": {"global_step1/mp_rank_00_model_states.pt": model_states}, "tag": "global_step1",
+                     "rng": {}}, 1).wait_committed()
+    engine.close()  # not finished: the version stays in memory
+    out = tmp_path / "out"
+    export = [sys.executable, "-m", "ftmem.cli", "export", "--job", job, "--shm-dir", shm_dir, "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + os.environ.get("PYTHONPATH", "").split(
+        os.pathsep)).rstrip(os.pathsep))
+
+    def run(*admit):
+        return subprocess.run(export + list(admit), capture_output=True, text=True, timeout=120, env=env)
+
+    refused = run()
+    assert refused.returncode == 2 and "names mytypes.Note" in refused.stderr, refused.stderr
+    assert "ftmem export --admit mytypes.Note" in refused.stderr and not (out / "global_step1").exists()
+    unknown = run("--admit", "mytypes.Nope")
+    assert unknown.returncode == 2 and "cannot import 'mytypes.Nope'" in unknown.stderr, unknown.stderr
+    done = run("--admit", "mytypes.Note")
+    assert done.returncode == 0, done.stderr
+    loaded = torch.load(out / "global_step1" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert loaded["note"] == mytypes.Note("x") and torch.equal(loaded["module"]["w"], torch.arange(4.0))
+    jobs.clean(shm_dir, job)
+
+
 # -- the SMP's channel -----------------------------------------------------------------------------
 def _raw_connection(address: str) -> Connection:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
