@@ -62,12 +62,17 @@ def install() -> None:
 
     @functools.wraps(stock_load)
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
-        if tag is None and isinstance(self.checkpoint_engine, FtmemCheckpointEngine):
-            point = self.checkpoint_engine.resume_point(load_dir)
-            if point is None:
-                return None, None  # nothing to resume from: as stock DeepSpeed without a `latest`
-            load_dir, tag = point
-        return stock_load(self, load_dir, tag, *args, **kwargs)
+        if not isinstance(self.checkpoint_engine, FtmemCheckpointEngine):
+            return stock_load(self, load_dir, tag, *args, **kwargs)
+        try:
+            if tag is None:
+                point = self.checkpoint_engine.resume_point(load_dir)
+                if point is None:
+                    return None, None  # nothing to resume from: as stock DeepSpeed without a `latest`
+                load_dir, tag = point
+            return stock_load(self, load_dir, tag, *args, **kwargs)
+        finally:
+            self.checkpoint_engine.loaded()
 
     ds_engine.DeepSpeedEngine.load_checkpoint = load_checkpoint
 

@@ -305,10 +305,17 @@ class FtmemCheckpointEngine(CheckpointEngine):
     def _holds_replicated_module(self, state_dict) -> bool:
         return isinstance(state_dict, dict) and "module" in state_dict and self.zero_stage < 3
 
+    def loaded(self) -> None:
+        """DeepSpeed's ``load_checkpoint`` returned: forget what it restored. A later load
+        (a rollback mid-run) must find the newest version again, not this one; and the
+        framework may now own the restored tensors (an optimizer keeps those it is given and
+        trains them), so they must not be served again as the version's."""
+        self._restored, self._restore_tried, self._disk_dir, self._memory_failed = None, False, None, None
+
     def _restore(self) -> Optional[dict]:
-        """Restore once per process, at DeepSpeed's first load (all ranks reach it together):
-        memory, else the persistent tier's newest checkpoint (then DeepSpeed reads its real
-        files, see :meth:`resume_point`)."""
+        """Restore once per load (all ranks load together): memory, else the persistent
+        tier's newest checkpoint (then DeepSpeed reads its real files, see
+        :meth:`resume_point`)."""
         if self._restore_tried:
             return self._restored
         self._restore_tried = True

@@ -116,6 +116,28 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, 
     assert all(n["versions"][-1] == ITERS for n in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"])
 
 
+def test_a_load_mid_run_after_a_resume_loads_the_newest_checkpoint(shm_dir, tmp_path):
+    """A second load_checkpoint in one process (a rollback to the newest checkpoint, mid-run)
+    loads what the default engine would: the newest. ftmem restored once per process, so a
+    job that had resumed from memory got the version it resumed from again, and trained on
+    from it, silently."""
+    config, world, reload_after = "zero1.json", 3, STOP + 1
+    ref = DSJob(config, world, None, str(tmp_path / "reference"), stock=True)
+    assert ref.run("--reload-after", str(reload_after)) == [0] * world, ref.log(0)[-5000:]
+    job = DSJob(config, world, shm_dir, str(tmp_path / "run"))
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    assert job.run("--load", "--reload-after", str(reload_after)) == [0] * world, job.log(0)[-5000:]
+    newest = reload_after + 1
+    for rank in range(world):
+        assert logged(restored_from_memory(STOP + 1, rank, f"tag global_step{STOP + 1}"), job.log(rank))
+        assert f"rank {rank}: reloaded global_step{newest} after step {reload_after}, next step {newest}" in \
+            job.log(rank), job.log(rank)[-3000:]
+        assert f"rank {rank}: reloaded global_step{newest}" in ref.log(rank)
+    assert_same_training(job.out, ref.out, world, ITERS)
+
+
 def test_an_elastic_zero1_checkpoint_resumes_as_deepspeed_s_elastic_loader_does(shm_dir, tmp_path):
     """"elastic_checkpoint": true: DeepSpeed's elastic loader reads every DP rank's
     optimizer partition, on every rank; with ftmem, the other ranks' are served from

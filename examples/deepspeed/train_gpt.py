@@ -19,7 +19,8 @@ checkpoint files and groups are those of a model-parallel job). It saves with ``
 and, with ``--load``, resumes with ``engine.load_checkpoint`` — the training script
 does not know which engine serves them. ``--out`` gets per-rank losses and final
 weights (for bitwise comparisons); ``--stop-after N`` waits, once step N's snapshot
-is protected (and flushed, with ``"persist"``), to be killed (for the crash tests).
+is protected (and flushed, with ``"persist"``), to be killed (for the crash tests);
+``--reload-after N`` loads the newest checkpoint again after step N's save, mid-run.
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def parse_args(argv=None):
                    help="with --load: load_checkpoint(save_dir, load_module_only=True)")
     p.add_argument("--out", default=None, help="write per-rank losses and final weights here")
     p.add_argument("--stop-after", type=int, default=None)
+    p.add_argument("--reload-after", type=int, default=None,
+                   help="after step N's save, load_checkpoint(save_dir) again, mid-run, and train on")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
@@ -153,6 +156,10 @@ def main(argv=None) -> None:
             losses.flush()
         if (step + 1) % args.save_interval == 0:
             engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1})
+        if step == args.reload_after:
+            path, client_state = engine.load_checkpoint(args.save_dir)
+            print(f"rank {rank}: reloaded {os.path.basename(os.path.dirname(path))} after step {step}, next step "
+                  f"{client_state['next_step']}", flush=True)
         if step == args.stop_after:
             if args.checkpoint_engine == "ftmem":
                 engine.checkpoint_engine.wait_flushed()  # the stock engine's save is done when it returns
