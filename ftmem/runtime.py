@@ -187,7 +187,10 @@ class AdapterRuntime:
     # -- end ----------------------------------------------------------------------------
     def close(self, job_finished: bool) -> None:
         """Close this rank's engine (collective). With ``job_finished`` on every rank the
-        job's snapshots are freed; otherwise they stay for a restart."""
+        job's snapshots are freed; otherwise they stay for a restart. A closed runtime has
+        ended: its end does not run again at exit, where it would find no group to agree on."""
+        self._finished = True
+        _unfinished.discard(self)
         self._handle = None
         self.engine.close(job_finished=job_finished)
 

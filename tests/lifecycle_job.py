@@ -1,10 +1,11 @@
 """A job on the adapter runtime (ftmem.AdapterRuntime) for the lifecycle tests: every
 rank saves a replicated tensor per step, protected, and ends the way ``--end`` says.
 
-    python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise} [--persist DIR]
+    python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close} [--persist DIR]
         [--persist-interval N] [--destroys-group]
 
-With ``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
+``--end close`` closes the runtime itself, keeping the memory, before it returns. With
+``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
 PyTorch asks scripts to; else an exit hook does it after ftmem's end.
 """
 import argparse
@@ -48,7 +49,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--end", choices=("return", "exit1", "raise"), default="return")
+    p.add_argument("--end", choices=("return", "exit1", "raise", "close"), default="return")
     p.add_argument("--persist", default=None)
     p.add_argument("--persist-interval", type=int, default=1)
     p.add_argument("--destroys-group", action="store_true")
@@ -83,6 +84,8 @@ def train(args, world: int) -> None:
         sys.exit(1)
     if args.end == "raise":
         raise RuntimeError("the training script failed")
+    if args.end == "close":
+        runtime.close(job_finished=False)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Two ranks on two virtual nodes (k=1, m=1) run tests/lifecycle_job.py, a job on the
 adapter runtime, and end in different ways: real processes, real SMPs, real exits.
 """
+import glob
 import os
 import re
 import signal
@@ -32,6 +33,18 @@ def leaves_no_ftmem_thread(job: LocalJob) -> bool:
 
 def held(shm_dir, job):
     return {n["node"]: n["versions"] for n in jobs.status(shm_dir, job)["jobs"][0]["nodes"]}
+
+
+def test_a_runtime_the_script_closed_does_not_end_again_at_exit(shm_dir, tmp_path):
+    """A script may close the runtime itself (Megatron: ftmem_megatron.checkpointing.close).
+    Its end then ran again at exit, on the closed engine with no group left: each rank
+    voted alone, and flushed the newest version to the tier alone."""
+    job, persist = job_id(), tmp_path / "persist"
+    closed = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), "--persist-interval", "100",
+                 "--end", "close", job=job)
+    assert closed.wait(TIMEOUT) == [0, 0] and leaves_no_ftmem_thread(closed), closed.log(0) + closed.log(1)
+    assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}  # closed without job_finished: kept for a restart
+    assert not os.path.exists(persist / "newest") and not glob.glob(str(persist / "v*")), os.listdir(persist)
 
 
 def test_sys_exit_keeps_the_newest_version_for_the_restart(shm_dir, tmp_path):
