@@ -5,9 +5,9 @@ the engine's parts (see the README's architecture section) and may change.
 """
 from .config import DP_SHARD_CHOICES, FtmemConfig
 from .engine import SnapshotEngine
-from .errors import (CollectiveNotJoined, ConfigError, CorruptShard, FtmemError, JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion,
-                     NotRecoverableFromMemory, ShmBudgetError, SmpError, UnadmittedType, UnsafeSharedMemory,
-                     UnsupportedTensor)
+from .errors import (CollectiveNotJoined, ConfigError, CorruptShard, EcGeometryMismatch, FtmemError,
+                     JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion, NotRecoverableFromMemory, ShmBudgetError,
+                     SmpError, UnadmittedType, UnsafeSharedMemory, UnsupportedTensor)
 from .format import FrameworkFormat
 from .handle import SaveHandle
 from .logs import job_info, rank_info, restored_from_disk, restored_from_memory
@@ -30,7 +30,7 @@ __all__ = [
     # logging and the contract lines
     "job_info", "rank_info", "restored_from_memory", "restored_from_disk",
     # errors
-    "FtmemError", "ConfigError", "CorruptShard", "LayoutMismatch", "NoRecoverableVersion", "NotRecoverableFromMemory",
-    "ShmBudgetError", "SmpError", "UnsupportedTensor", "UnadmittedType", "UnsafeSharedMemory", "ForeignVersions",
-    "JobAlreadyRunning", "CollectiveNotJoined",
+    "FtmemError", "ConfigError", "CorruptShard", "LayoutMismatch", "EcGeometryMismatch", "NoRecoverableVersion",
+    "NotRecoverableFromMemory", "ShmBudgetError", "SmpError", "UnsupportedTensor", "UnadmittedType",
+    "UnsafeSharedMemory", "ForeignVersions", "JobAlreadyRunning", "CollectiveNotJoined",
 ]

@@ -41,6 +41,12 @@ class LayoutMismatch(FtmemError):
     """A held version was saved under another parallel layout than the job runs now."""
 
 
+class EcGeometryMismatch(NotRecoverableFromMemory, LayoutMismatch):
+    """Lost data could be rebuilt only from parity written under another EC geometry (k, m,
+    nodes) than the job runs now: a change of configuration, refused as a layout change
+    is, not a loss for the disk to make up for."""
+
+
 class UnsupportedTensor(FtmemError, TypeError):
     """A tensor kind a snapshot cannot hold (a subclass such as DTensor, sparse, quantized, meta)."""
 

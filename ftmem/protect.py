@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import testhooks
 from .checksum import checksum
 from .codec import Codec
-from .errors import CorruptShard, NotRecoverableFromMemory
+from .errors import CorruptShard, EcGeometryMismatch, NotRecoverableFromMemory
 from .plan import ALIGN
 from .placement import ECGroup
 from .slots import CommitRecord, ParityRecord, decode_record, encode_record
@@ -134,33 +134,40 @@ def plan_recovery(topology: Topology, data: list[dict[int, int]], parity: list[d
     rank decides alike from the same inputs, before any rebuild moves a byte. Returns
     None when no rank holds any version (a fresh job); raises NotRecoverableFromMemory,
     naming the groups and nodes, when versions exist but none is recoverable everywhere
-    (too many losses, or parity written under another geometry than the job's now).
+    (too many losses), and its subclass EcGeometryMismatch when the newest needs parity
+    written under another geometry than the job's now.
     """
     candidates = [requested] if requested is not None else sorted(set().union(*data), reverse=True)
     if not candidates:
         return None
-    first_problems: list[str] = []
+    newest_problem, newest_geometry = None, False
     for version in candidates:
-        problems, rebuild = [], []
+        problems, rebuild, geometry = [], [], False
         for g, local in topology.columns():
             ranks = topology.column_ranks(g, local)
             group = topology.groups[g]
             has_data = {pos for pos, r in enumerate(ranks) if version in data[r]}
             has_parity = {pos for pos, r in enumerate(ranks) if version in parity[r]}
-            problem = None
             if len(has_data) < group.n:
-                problem = (geometry_problem(group, {pos: data[ranks[pos]][version] for pos in has_data},
-                                            [parity[ranks[pos]][version] for pos in sorted(has_parity)])
-                           or column_problem(group, has_data, has_parity))
-            if problem:
-                problems.append(problem)
+                wrong = geometry_problem(group, {pos: data[ranks[pos]][version] for pos in has_data},
+                                         [parity[ranks[pos]][version] for pos in sorted(has_parity)])
+                geometry = geometry or wrong is not None
+                problem = wrong or column_problem(group, has_data, has_parity)
+                if problem:
+                    problems.append(problem)
             rebuild += [r for pos, r in enumerate(ranks) if pos not in has_data]
         if not problems:
             return version, sorted(rebuild)
-        first_problems = first_problems or [f"version {version}: " + "; ".join(sorted(set(problems)))]
-    raise NotRecoverableFromMemory(
+        if newest_problem is None:
+            newest_problem = f"version {version}: " + "; ".join(sorted(set(problems)))
+            newest_geometry = geometry
+    # Parity of another geometry is the job's configuration changed, not a loss: refused
+    # as a layout change is (the disk only where allowed), with memory left as it is.
+    error, advice = ((EcGeometryMismatch, "Restart with the EC geometry it was written with") if newest_geometry
+                     else (NotRecoverableFromMemory, "Fall back to a disk checkpoint"))
+    raise error(
         "no version is recoverable from memory (more losses than parity in a group, parity missing, or parity "
-        f"written under another EC geometry). Newest held: {first_problems[0]}. Fall back to a disk checkpoint."
+        f"written under another EC geometry). Newest held: {newest_problem}. {advice}."
     )
 
 

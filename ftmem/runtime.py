@@ -127,11 +127,13 @@ class AdapterRuntime:
     def restore(self, disk_version: Optional[int] = None) -> Resumption:
         """Decide where to resume (collective): the newest version memory can recover for
         every rank, unless the newest disk checkpoint (``disk_version``, None if there is
-        none) is newer; else disk; else scratch. A version saved under another layout is
-        refused with the reason, or skipped for the disk when ``allow_disk_fallback``."""
+        none) is newer; else disk; else scratch. A version saved under another layout, or
+        needing parity of another EC geometry, is refused with the reason (memory left as it
+        is, for a restart with the right configuration), or skipped for the disk when
+        ``allow_disk_fallback``."""
         try:
             restored = self.engine.restore()
-        except LayoutMismatch as e:
+        except LayoutMismatch as e:  # EcGeometryMismatch included
             return self.refuse_memory(str(e), disk_version)
         except NotRecoverableFromMemory as e:
             return self._without_memory(str(e), disk_version)

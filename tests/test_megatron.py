@@ -139,6 +139,42 @@ def test_restore_under_another_layout_is_refused_unless_disk_fallback_is_allowed
     assert jobs.list_jobs(shm_dir) == []
 
 
+def test_a_restart_under_another_ec_geometry_is_refused_and_loses_nothing(shm_dir, tmp_path):
+    """A node lost, and the job relaunched with other --ftmem-ec-k/m: the lost node's data
+    can be rebuilt only under the geometry its parity was written with. That was taken
+    for an unrecoverable loss: the job started from scratch and its first save dropped
+    the versions a relaunch with the right flags restores. Now it stops with the reason,
+    memory as it was, and the right flags resume bitwise."""
+    world, parallel = 4, ["--tensor-model-parallel-size", "2"]
+    ref = reference(world, parallel, str(tmp_path / "reference"))
+    job = MegatronJob(world, parallel, ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "3", "--ftmem-ec-m", "1"],
+                      shm_dir, str(tmp_path / "run"))
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"iteration {STOP}")
+        run.kill_all()
+    jobs.lose_node(shm_dir, job.job, 1)
+    def versions():
+        return {n["node"]: n["versions"] for n in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"] if n["versions"]}
+
+    held, logged_before = versions(), [len(job.log(r)) for r in range(world)]
+    codes = job.start("--ftmem-ec-k", "2", "--ftmem-ec-m", "2").wait(TIMEOUT)  # the last flag wins
+    assert codes == [1] * world, job.log(0)[-3000:]
+    for rank in range(world):
+        log = job.log(rank)[logged_before[rank]:]
+        assert "LayoutMismatch: no version is recoverable from memory" in log, log[-3000:]
+        assert "was written for k=3, m=1 over nodes [0, 1, 2, 3]" in log
+        assert "the job now runs k=2, m=2 over nodes [0, 1, 2, 3]" in log
+        assert " iteration " not in log  # no training from scratch
+    assert versions() == held and sorted(held) == [0, 2, 3]  # nothing dropped
+
+    job.run(str(tmp_path / "resumed.json"))
+    for rank in range(world):
+        assert logged(restored_from_memory(STOP, rank, rebuilt=rank == 1), job.log(rank))
+    resumed = read_out(str(tmp_path / "resumed.json"))
+    assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(STOP + 1, ITERS + 1)}
+    assert resumed["digests"] == ref["digests"]
+
+
 @pytest.mark.parametrize("drop, add, message", [
     ("--non-persistent-save-interval", [], "needs --non-persistent-save-interval N"),
     (None, ["--ftmem-ec-k", "3", "--ftmem-ec-m", "1"], "needs groups of 4 nodes, but 2 ranks at 1 per node make 2"),
