@@ -137,10 +137,16 @@ class FtmemCheckpointEngine(CheckpointEngine):
     def save(self, state_dict, path: str) -> None:
         self._files[path] = state_dict
         if self._holds_replicated_module(state_dict):
-            # Module weights (and, without ZeRO, the optimizer) are the same on every
-            # DP replica: each replica keeps only its slice of them.
-            for part in ("module", "optimizer") if self.zero_stage == 0 else ("module",):
-                self._replicated |= {id(t) for t in _tensors(state_dict.get(part))}
+            # Module weights (and, without ZeRO, the optimizer) are the same on every DP
+            # replica: each replica keeps only its slice of them. Buffers are not: DeepSpeed
+            # does not keep them in step (a BatchNorm's running statistics follow each
+            # replica's data), so each replica keeps its own.
+            buffers = set(state_dict.get("buffer_names") or ())
+            module = state_dict.get("module") or {}
+            self._replicated |= {id(t) for name, value in module.items() if name not in buffers
+                                 for t in _tensors(value)}
+            if self.zero_stage == 0:
+                self._replicated |= {id(t) for t in _tensors(state_dict.get("optimizer"))}
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Start the snapshot of everything saved since ``create`` (its files become stubs);

@@ -116,6 +116,28 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, 
     assert all(n["versions"][-1] == ITERS for n in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"])
 
 
+def test_buffers_that_differ_across_replicas_resume_as_each_replica_s_own(shm_dir, tmp_path):
+    """DeepSpeed does not keep buffers in step across DP replicas: a BatchNorm's running
+    statistics follow each replica's data. ftmem kept the whole module once across the
+    replicas, buffers included, so a resume gave each replica a mix of theirs. Final
+    weights and buffers of every rank are compared with the uninterrupted run's."""
+    config, world = "zero1.json", 3
+    ref = DSJob(config, world, None, str(tmp_path / "reference"), stock=True)
+    assert ref.run("--batch-norm") == [0] * world, ref.log(0)[-5000:]
+    final = [torch.load(os.path.join(ref.out, f"rank{r}.final.pt")) for r in range(world)]
+    assert not torch.equal(final[0]["layers.3.batch_norm.running_mean"], final[1]["layers.3.batch_norm.running_mean"])
+    job = DSJob(config, world, shm_dir, str(tmp_path / "run"))
+    with job.start("--batch-norm", "--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    jobs.lose_node(shm_dir, job.job, 1)
+    assert job.run("--batch-norm", "--load") == [0] * world, job.log(0)[-5000:]
+    for rank in range(world):
+        assert logged(restored_from_memory(STOP + 1, rank, f"tag global_step{STOP + 1}", rebuilt=rank == 1),
+                      job.log(rank))
+    assert_same_training(job.out, ref.out, world, ITERS)
+
+
 def test_a_load_mid_run_after_a_resume_loads_the_newest_checkpoint(shm_dir, tmp_path):
     """A second load_checkpoint in one process (a rollback to the newest checkpoint, mid-run)
     loads what the default engine would: the newest. ftmem restored once per process, so a

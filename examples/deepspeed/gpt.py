@@ -18,6 +18,9 @@ class GPTConfig:
     heads: int = 4
     layers: int = 2
     dropout: float = 0.1
+    # A BatchNorm before the head: running statistics that each DP replica updates from its
+    # own data, buffers DeepSpeed does not keep in step across replicas.
+    batch_norm: bool = False
 
 
 class Embedding(nn.Module):
@@ -57,8 +60,11 @@ class Head(nn.Module):
         super().__init__()
         self.ln = nn.LayerNorm(cfg.hidden)
         self.out = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.batch_norm = nn.BatchNorm1d(cfg.hidden) if cfg.batch_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_norm is not None:
+            x = self.batch_norm(x.transpose(1, 2)).transpose(1, 2)
         return self.out(self.ln(x))
 
 

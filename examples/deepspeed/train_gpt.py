@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--dropout", type=float, default=GPTConfig.dropout)
+    p.add_argument("--batch-norm", action="store_true",
+                   help="a BatchNorm before the head (running statistics that differ across DP replicas)")
     p.add_argument("--ftmem", default=None, help='JSON merged into the config\'s "ftmem" section')
     p.add_argument("--checkpoint-engine", choices=("ftmem", "default"), default="ftmem",
                    help="ftmem (default): import ftmem_deepspeed and save with the engine the config selects; "
@@ -81,14 +83,15 @@ def load_config(args) -> dict:
 
 
 def final_weights(engine, zero_stage: int) -> dict:
-    """This rank's full parameters (gathered under ZeRO-3), for bitwise comparisons."""
+    """This rank's full parameters (gathered under ZeRO-3) and buffers, for bitwise comparisons."""
     import deepspeed
 
     params = dict(engine.module.named_parameters())
+    buffers = {k: v.clone() for k, v in engine.module.named_buffers()}
     if zero_stage == 3:
         with deepspeed.zero.GatheredParameters(list(params.values())):
-            return {k: v.detach().clone() for k, v in params.items()}
-    return {k: v.detach().clone() for k, v in params.items()}
+            return {**{k: v.detach().clone() for k, v in params.items()}, **buffers}
+    return {**{k: v.detach().clone() for k, v in params.items()}, **buffers}
 
 
 def main(argv=None) -> None:
@@ -106,7 +109,8 @@ def main(argv=None) -> None:
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     config = load_config(args)
-    cfg = GPTConfig(hidden=args.hidden, layers=args.layers, seq_len=args.seq_len, dropout=args.dropout)
+    cfg = GPTConfig(hidden=args.hidden, layers=args.layers, seq_len=args.seq_len, dropout=args.dropout,
+                    batch_norm=args.batch_norm)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     pipeline = config.get("pipeline") or {}
     stages, model_parallel = pipeline.get("stages", 1), pipeline.get("model_parallel", 1)
