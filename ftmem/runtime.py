@@ -57,12 +57,16 @@ class AdapterRuntime:
     """One rank's ftmem, as an adapter drives it. Construction is collective."""
 
     def __init__(self, config: FtmemConfig, layout: ParallelLayout, format: FrameworkFormat, save_dir: str,
-                 persist_dir: Optional[str] = None, persist_interval: int = 0, persist_keep: Optional[int] = None):
+                 persist_dir: Optional[str] = None, persist_interval: int = 0, persist_keep: Optional[int] = None,
+                 framework_on_disk: Optional[Callable[[], Optional[int]]] = None):
         """``save_dir``: where the framework saves this job's checkpoints; the job's
         origin, which a relaunch of the same job reproduces (see ftmem.identity).
         ``persist_dir``: the persistent tier's directory (flushes every
-        ``persist_interval``-th protected version, and those saved with ``persist``)."""
+        ``persist_interval``-th protected version, and those saved with ``persist``).
+        ``framework_on_disk``: the version of the framework's own newest disk checkpoint
+        (None if none), asked at the end when the script did not say (an end at exit)."""
         self.config, self.format = config, format
+        self._framework_on_disk = framework_on_disk
         self.engine = SnapshotEngine(config, layout=layout, format=format.name,
                                      origin=f"save dir {os.path.realpath(save_dir)}")
         self._handle: Optional[SaveHandle] = None
@@ -206,6 +210,8 @@ class AdapterRuntime:
             return
         self._finished = True
         _unfinished.discard(self)
+        if on_disk is None and self._framework_on_disk is not None:
+            on_disk = self._framework_on_disk()
         problem = "this rank ended with an uncaught exception" if self._crashed else None
         if problem is None:
             try:

@@ -18,6 +18,7 @@ policies it shares with the DeepSpeed adapter live in :class:`ftmem.AdapterRunti
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -97,13 +98,22 @@ def disk_iteration(load_dir: Optional[str]) -> int:
     return -1 if found is None else 0 if found == RELEASE else found
 
 
+def saved_iteration(save_dir: Optional[str]) -> Optional[int]:
+    """The iteration of Megatron's newest persistent checkpoint in ``save_dir``; None if none."""
+    found = disk_iteration(save_dir)
+    return found if found >= 0 else None
+
+
 class MegatronCheckpointer:
     """One rank's in-memory checkpoints for Megatron (collective construction)."""
 
     def __init__(self, args):
         persist_dir = args.save if flushes_from_memory(args) else None
+        # Megatron-LM's loop ends without calling finish(args): at exit, the runtime asks the
+        # save dir's tracker whether Megatron's own save holds the newest version.
         self.runtime = AdapterRuntime(validate_ftmem_args(args), parallel_layout(args), MegatronFormat(),
-                                      save_dir=args.save, persist_dir=persist_dir)
+                                      save_dir=args.save, persist_dir=persist_dir,
+                                      framework_on_disk=functools.partial(saved_iteration, args.save))
         self._described = False
         self._memory_failed: Optional[str] = None  # why memory did not serve the last load, for the disk line
 
@@ -180,7 +190,7 @@ class MegatronCheckpointer:
         return state["iteration"], state["num_floating_point_operations_so_far"]
 
     def finish(self, args) -> None:
-        self.runtime.finish(on_disk=disk_iteration(args.save) if args.save else None)
+        self.runtime.finish(on_disk=saved_iteration(args.save))
 
     def report_disk_load(self, iteration: int, args) -> None:
         if self._memory_failed is None:

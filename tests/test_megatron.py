@@ -175,6 +175,19 @@ def test_a_restart_under_another_ec_geometry_is_refused_and_loses_nothing(shm_di
     assert resumed["digests"] == ref["digests"]
 
 
+def test_a_job_that_ends_at_exit_frees_memory_once_megatron_s_own_save_holds_the_newest(shm_dir, tmp_path):
+    """Megatron-LM's loop never calls checkpointing.finish(args): ftmem's end runs at exit.
+    Where Megatron writes its persistent checkpoints itself (here with the distributed
+    optimizer), that end did not know of them: every clean job kept its memory, saying no
+    persistent tier was configured. It now reads the save dir's tracker."""
+    job = MegatronJob(2, ["--use-distributed-optimizer"], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1",
+                                                           "--ftmem-ec-m", "1"], shm_dir, str(tmp_path))
+    job.run(str(tmp_path / "out.json"), "--end-at-exit")
+    with open(os.path.join(tmp_path, "ckpt", "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == str(ITERS)  # Megatron's own save of the final iteration
+    assert "keeps" not in job.log(0) and jobs.list_jobs(shm_dir) == [], job.log(0)[-3000:]
+
+
 @pytest.mark.parametrize("drop, add, message", [
     ("--non-persistent-save-interval", [], "needs --non-persistent-save-interval N"),
     (None, ["--ftmem-ec-k", "3", "--ftmem-ec-m", "1"], "needs groups of 4 nodes, but 2 ranks at 1 per node make 2"),

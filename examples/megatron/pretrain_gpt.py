@@ -104,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(a killed run's losses included, which --out, written at the end, does not have)")
     g.add_argument("--stop-after", type=int, default=None,
                    help="(tests) once iteration N's in-memory snapshot is protected, wait to be killed")
+    g.add_argument("--end-at-exit", action="store_true",
+                   help="(tests) end as Megatron-LM's pretrain() does: no checkpointing.finish call, ftmem's end "
+                        "runs at exit")
     args = p.parse_args(argv)
     if args.ckpt_format not in SUPPORTED_CKPT_FORMATS:
         p.error(f"--ckpt-format {args.ckpt_format} is not supported; this driver writes only "
@@ -451,6 +454,8 @@ def main(argv=None) -> None:
     if args.out:
         write_out(args, losses, model, optimizer)
     torch.distributed.barrier()
+    if args.end_at_exit:
+        return
     checkpointing.finish(args)  # before the process groups go: the ranks agree on freeing memory
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
