@@ -232,6 +232,15 @@ class Restorer:
         if len(raw) != record.plan.nbytes or checksum(raw) != record.checksum:
             return (f"rank {self.rank}'s data rebuilt from parity does not match the checksum its writer took "
                     f"(the parity does not belong to the data the survivors hold)")
+        # A failure here is this rank's alone: said as a problem, so that every rank stops
+        # with the reason, not on a peer's exit (or waiting for a peer that caught it).
+        try:
+            self._store_rebuilt(version, record, raw)
+        except (FtmemError, OSError) as e:  # no room on the replacement node, its memory gone again
+            return f"rank {self.rank} could not store its rebuilt data ({e})"
+        return None
+
+    def _store_rebuilt(self, version: int, record: CommitRecord, raw) -> None:
         self.memory.reserve(record.plan.nbytes, self.store.capacity(PARITY))
         self.store.drop(version)
         slot = self.store.free_slot()
@@ -241,4 +250,3 @@ class Restorer:
         self.memory.bytes_of(slot, DATA).numpy()[: len(raw)] = raw
         self.store.write_commit(with_slot(record, slot))
         rank_info(self.rank, "rebuilt version %d (%d bytes) from its EC group's parity", version, len(raw))
-        return None

@@ -34,6 +34,7 @@ tests/test_integrity.py, tests/test_engine.py, tests/test_deepspeed.py, ...); RE
 "Fault matrix" has the whole table, each cell naming its test.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -266,6 +267,26 @@ def test_the_rank_being_rebuilt_killed_mid_rebuild(shm_dir, tmp_path, hooks, ref
         assert run.procs[1].returncode == -signal.SIGKILL
         stop_by_themselves(run, [0, 2])
     assert job.held(1) == [] and job.held(0) == job.held(2) == [4, 5]
+    job.restart_and_check(reference, expect_version=5, rebuilt_ranks={1})
+
+
+def test_a_rebuilt_rank_that_cannot_store_its_data_stops_every_rank_with_the_reason(shm_dir, tmp_path, hooks,
+                                                                                     reference):
+    """Node 1 lost; the restart decodes rank 1's version 5, and node 1's memory goes again
+    before rank 1 stores it. Rank 1's error was its own: the others stopped on gloo's
+    error at its exit, with no reason (had rank 1 caught it, they would have waited). Now
+    every rank stops with the reason, and the next restart rebuilds."""
+    job = new_job(shm_dir, tmp_path)
+    job.run_until_stopped(after=5)
+    job.lose_node(1)
+    with job.start(rank_env=hook("mid_rebuild", "hold", 5, hooks, ranks=[1])) as run:
+        run.wait_for(paused(hooks, 5, ranks=[1]), TIMEOUT, "rank 1 about to store its rebuilt version 5")
+        shutil.rmtree(job.node_dir(1))
+        resume(hooks, 1, 5)
+        stop_by_themselves(run, range(WORLD))
+    for rank in range(WORLD):
+        assert "version 5 cannot be rebuilt from memory: rank 1 could not store its rebuilt data" in job.log(rank)
+    assert job.held(0) == job.held(2) == [4, 5]
     job.restart_and_check(reference, expect_version=5, rebuilt_ranks={1})
 
 
