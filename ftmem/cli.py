@@ -8,11 +8,10 @@ points of group ``ftmem.tools`` (``bench-<name>`` and ``demo``), each a
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
 import json
 import math
 import os
+import pkgutil
 import sys
 import textwrap
 from importlib.metadata import entry_points
@@ -66,18 +65,11 @@ def shm_dir_arg(text: str) -> str:
 def admitted_global_arg(text: str) -> object:
     """A class (or function) named as an UnadmittedType error names it, ``package.module.Name``:
     imported here, since the user's training processes admitted it in their own memory."""
-    parts = text.split(".")
-    for cut in range(len(parts) - 1, 0, -1):  # the longest prefix that imports is the module
-        try:
-            module = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        try:
-            return functools.reduce(getattr, parts[cut:], module)
-        except AttributeError:
-            break
-    raise argparse.ArgumentTypeError(f"cannot import {text!r}: give the name the error printed (module path and "
-                                     f"class), and run ftmem where that module imports (its PYTHONPATH)")
+    try:
+        return pkgutil.resolve_name(text)
+    except (ImportError, AttributeError, ValueError):
+        raise argparse.ArgumentTypeError(f"cannot import {text!r}: give the name the error printed (module path and "
+                                         f"class), and run ftmem where that module imports (its PYTHONPATH)") from None
 
 
 def job_id_arg(text: str) -> str:

@@ -25,6 +25,7 @@ is protected (and flushed, with ``"persist"``), to be killed (for the crash test
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -87,11 +88,10 @@ def final_weights(engine, zero_stage: int) -> dict:
     import deepspeed
 
     params = dict(engine.module.named_parameters())
-    buffers = {k: v.clone() for k, v in engine.module.named_buffers()}
-    if zero_stage == 3:
-        with deepspeed.zero.GatheredParameters(list(params.values())):
-            return {**{k: v.detach().clone() for k, v in params.items()}, **buffers}
-    return {**{k: v.detach().clone() for k, v in params.items()}, **buffers}
+    gathered = deepspeed.zero.GatheredParameters(list(params.values())) if zero_stage == 3 else contextlib.nullcontext()
+    with gathered:
+        weights = {k: v.detach().clone() for k, v in params.items()}
+    return {**weights, **{k: v.clone() for k, v in engine.module.named_buffers()}}
 
 
 def main(argv=None) -> None:
