@@ -149,6 +149,13 @@ class AdapterRuntime:
                                         f"{disk_version} on disk", disk_version)
         return Resumption(MEMORY, restored=restored)
 
+    def restore_named(self, version: int) -> Restored:
+        """Restore ``version``, which the script asked for by name (collective): that version
+        or a refusal with the reason (NotRecoverableFromMemory, LayoutMismatch), never
+        another in its place. Newer versions stay held, as the default engine's newer files
+        stay on disk: a resume without a name still finds them, and the next save drops them."""
+        return self.engine.restore(version, drop_newer=False)
+
     def agree(self, problem: Optional[str]) -> Optional[str]:
         """Every rank's verdict on its own part of a restore; the first problem any rank
         has. All ranks must take the same path (memory or disk) or the next collective hangs."""

@@ -29,7 +29,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, NotRecoverableFromMemory, ParallelLayout,
-                   check_startup, everyone_joins, flushed, gather_dp_groups, job_info, save_atomically)
+                   Restored, check_startup, everyone_joins, flushed, gather_dp_groups, job_info, save_atomically)
 
 from .format import DeepSpeedFormat
 from .stub import is_stub, read_stub, write_stub
@@ -182,7 +182,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if not is_stub(path):  # a checkpoint written by another engine: stock behaviour
             return torch.load(path, map_location=map_location, weights_only=False)
         self._start(os.path.dirname(os.path.dirname(path)))
-        state = self._restore()
+        state = self._restore(path)
         key = file_key(path)
         if state is not None and key in state["files"]:
             return apply_map_location(state["files"][key], map_location)
@@ -318,27 +318,39 @@ class FtmemCheckpointEngine(CheckpointEngine):
         trains them), so they must not be served again as the version's."""
         self._restored, self._restore_tried, self._disk_dir, self._memory_failed = None, False, None, None
 
-    def _restore(self) -> Optional[dict]:
-        """Restore once per load (all ranks load together): memory, else the persistent
-        tier's newest checkpoint (then DeepSpeed reads its real files, see
-        :meth:`resume_point`)."""
+    def _restore(self, named: Optional[str] = None) -> Optional[dict]:
+        """Restore once per load (all ranks load together). A resume (no ``named`` file):
+        memory's newest, else the persistent tier's newest checkpoint (then DeepSpeed reads
+        its real files, see :meth:`resume_point`). A load of a tag the script named (the
+        first stub it reads, ``named``): that tag's version, with its RNG, or a refusal."""
         if self._restore_tried:
             return self._restored
         self._restore_tried = True
+        if named is not None:
+            tag, version = _tag_of(named), _version_of_tag(os.path.dirname(named))
+            restored = self.runtime.restore_named(version)
+            if restored.state["tag"] != tag:
+                raise FtmemError(f"{named} is a stub of version {version} (tag {tag!r}), but memory's version "
+                                 f"{version} is tag {restored.state['tag']!r}: a later save of the same global step "
+                                 f"replaced it. Load tag {restored.state['tag']!r}, or a checkpoint on disk.")
+            return self._resumed_from_memory(restored)
         persist_dir = self.config.persist.dir
         on_disk = flushed(persist_dir)[-1] if persist_dir and flushed(persist_dir) else None
         resumption = self.runtime.restore(disk_version=on_disk["version"] if on_disk else None)
         if resumption.source == MEMORY:
-            restored = resumption.restored
-            self._restored = restored.state
-            self._share_layer_files(restored.state["files"])
-            self.runtime.resumed_from_memory(restored, detail=f"tag {restored.state['tag']}")
+            self._resumed_from_memory(resumption.restored)
         elif resumption.source == DISK:
             self._disk_dir = os.path.join(persist_dir, on_disk["name"])
             self.format.restore_rng_from(self._disk_dir, self.runtime.rank)
             self.runtime.resumed_from_disk(on_disk["version"], self._disk_dir, resumption.reason)
         else:
             self._memory_failed = resumption.reason  # said by resume_point, or in the stub read's refusal
+        return self._restored
+
+    def _resumed_from_memory(self, restored: Restored) -> dict:
+        self._restored = restored.state
+        self._share_layer_files(restored.state["files"])
+        self.runtime.resumed_from_memory(restored, detail=f"tag {restored.state['tag']}")
         return self._restored
 
     def _share_layer_files(self, files: dict) -> None:

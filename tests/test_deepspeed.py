@@ -160,6 +160,27 @@ def test_a_load_mid_run_after_a_resume_loads_the_newest_checkpoint(shm_dir, tmp_
     assert_same_training(job.out, ref.out, world, ITERS)
 
 
+def test_a_load_of_an_older_tag_resumes_that_checkpoint_with_its_own_rng(shm_dir, tmp_path):
+    """load_checkpoint(save_dir, tag) of a tag older than memory's newest version. ftmem
+    restored its newest version first, put back that version's RNG and logged it as
+    restored, then served the named tag's files: one step's weights with another step's
+    dropout masks, silently. Now the named version is restored (rebuilt after a node loss),
+    with its own RNG, and training from it equals the uninterrupted run from that step."""
+    config, world, older = "zero1.json", 3, STOP
+    ref = reference(config, world, str(tmp_path / "reference"))
+    job = DSJob(config, world, shm_dir, str(tmp_path / "run"))
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    jobs.lose_node(shm_dir, job.job, 1)
+    assert job.run("--load", "--tag", f"global_step{older}") == [0] * world, job.log(0)[-5000:]
+    for rank in range(world):
+        assert logged(restored_from_memory(older, rank, f"tag global_step{older}", rebuilt=rank == 1), job.log(rank))
+        assert "restored iteration %d" % (STOP + 1) not in job.log(rank), job.log(rank)[-3000:]
+        assert f"rank {rank}: resuming at step {older} (client_state)" in job.log(rank), job.log(rank)[-3000:]
+    assert_same_training(job.out, ref, world, ITERS)
+
+
 def test_an_elastic_zero1_checkpoint_resumes_as_deepspeed_s_elastic_loader_does(shm_dir, tmp_path):
     """"elastic_checkpoint": true: DeepSpeed's elastic loader reads every DP rank's
     optimizer partition, on every rank; with ftmem, the other ranks' are served from

@@ -20,7 +20,8 @@ and, with ``--load``, resumes with ``engine.load_checkpoint`` — the training s
 does not know which engine serves them. ``--out`` gets per-rank losses and final
 weights (for bitwise comparisons); ``--stop-after N`` waits, once step N's snapshot
 is protected (and flushed, with ``"persist"``), to be killed (for the crash tests);
-``--reload-after N`` loads the newest checkpoint again after step N's save, mid-run.
+``--reload-after N`` loads the newest checkpoint again after step N's save, mid-run;
+``--load --tag TAG`` loads the checkpoint of that tag, not the newest.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--save-interval", type=int, default=1)
     p.add_argument("--load", action="store_true", help="resume with engine.load_checkpoint(save_dir)")
+    p.add_argument("--tag", default=None,
+                   help="with --load: load_checkpoint(save_dir, TAG), the checkpoint of that tag, not the newest")
     p.add_argument("--no-optimizer-states", action="store_true",
                    help="with --load: load_checkpoint(save_dir, load_optimizer_states=False)")
     p.add_argument("--module-only", action="store_true",
@@ -137,7 +140,7 @@ def main(argv=None) -> None:
 
     start = 0
     if args.load:
-        path, client_state = engine.load_checkpoint(args.save_dir, load_optimizer_states=not args.no_optimizer_states,
+        path, client_state = engine.load_checkpoint(args.save_dir, args.tag, load_optimizer_states=not args.no_optimizer_states,
                                                     load_module_only=args.module_only)
         if path:
             start = client_state["next_step"]
