@@ -181,9 +181,11 @@ class AdapterRuntime:
     def _without_memory(reason: Optional[str], disk_version: Optional[int]) -> Resumption:
         return Resumption(DISK if disk_version is not None else SCRATCH, reason=reason)
 
-    def resumed_from_memory(self, restored: Restored, detail: str = "") -> None:
-        """The adapter loaded ``restored`` into the framework: put back the RNG and say so."""
-        self.format.restore_rng(restored.state["rng"])
+    def resumed_from_memory(self, restored: Restored, detail: str = "", rng: bool = True) -> None:
+        """The adapter loaded ``restored`` into the framework: put back the RNG (unless the
+        script asked the framework not to) and say so."""
+        if rng:
+            self.format.restore_rng(restored.state["rng"])
         # The job's newest version until it saves again: a job that ends without saving (a
         # relaunch at its last iteration) must keep it in memory or flush it, never free it.
         self.engine.protected = restored.version

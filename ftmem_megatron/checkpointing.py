@@ -19,6 +19,7 @@ policies it shares with the DeepSpeed adapter live in :class:`ftmem.AdapterRunti
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -26,7 +27,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
-from ftmem import MEMORY, AdapterRuntime, ConfigError, LayoutMismatch, ParallelLayout, gather_dp_groups, rank_info
+from ftmem import (DISK, MEMORY, AdapterRuntime, ConfigError, LayoutMismatch, NotRecoverableFromMemory, ParallelLayout,
+                   Resumption, gather_dp_groups, rank_info)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
@@ -48,6 +50,30 @@ WRITES_BEFORE_STEP = ("overlap_param_gather", "moe_router_enable_expert_bias", "
 # no gathering across ranks (its default, fully_sharded_model_space, is refused by
 # megatron-core's own ShardedTensor checks); other optimizers ignore it.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+@dataclass(frozen=True)
+class LoadScope:
+    """What a load puts back, as Megatron-LM's load_checkpoint decides it from its flags:
+    ``--finetune`` takes the model alone and starts at iteration 0; ``--no-load-optim``
+    leaves the optimizer and the LR scheduler as built; ``--no-load-rng`` the RNGs."""
+
+    optimizer: bool
+    rng: bool
+    progress: bool  # the iteration and the consumed samples
+
+    @classmethod
+    def of(cls, args) -> "LoadScope":
+        finetune = getattr(args, "finetune", False)
+        return cls(optimizer=not (finetune or getattr(args, "no_load_optim", False)),
+                   rng=not (finetune or getattr(args, "no_load_rng", False)), progress=not finetune)
+
+    @property
+    def detail(self) -> str:
+        """The log line's note of what was left out (empty for a whole resume)."""
+        skipped = [what for what, loaded in (("optimizer and scheduler", self.optimizer), ("RNG", self.rng),
+                                             ("iteration", self.progress)) if not loaded]
+        return f"without its {', '.join(skipped)}" if skipped else ""
 
 
 def parallel_layout(args) -> ParallelLayout:
@@ -157,13 +183,17 @@ class MegatronCheckpointer:
 
     def load(self, model, optimizer, opt_param_scheduler, args) -> Optional[tuple[int, Any]]:
         on_disk = disk_iteration(args.load)
-        resumption = self.runtime.restore(disk_version=on_disk if on_disk >= 0 else None)
+        resumption = self._resumption(args, on_disk)
         self._memory_failed = resumption.reason
         if resumption.source != MEMORY:
             return None
         restored = resumption.restored
         state = restored.state
         model = model if isinstance(model, list) else [model]
+        scope = LoadScope.of(args)
+        # An optimizer left as built is not asked for its state: building a load's template
+        # gives it (empty) state.
+        optimizer = optimizer if scope.optimizer else None
         try:
             problem = _args_mismatch(state["args"], args)
             if problem is None:
@@ -182,12 +212,23 @@ class MegatronCheckpointer:
                 chunk.load_state_dict(filled[f"model{i}"], strict=True)
             if optimizer is not None:
                 optimizer.load_state_dict(filled["optimizer"])
-        if opt_param_scheduler is not None:
+        if opt_param_scheduler is not None and scope.optimizer:
             opt_param_scheduler.load_state_dict(state["scheduler"])
-        for name, value in state["progress"].items():
-            setattr(args, name, value)
-        self.runtime.resumed_from_memory(restored)
-        return state["iteration"], state["num_floating_point_operations_so_far"]
+        if scope.progress:
+            for name, value in state["progress"].items():
+                setattr(args, name, value)
+        self.runtime.resumed_from_memory(restored, rng=scope.rng, detail=scope.detail)
+        return (state["iteration"] if scope.progress else 0), state["num_floating_point_operations_so_far"]
+
+    def _resumption(self, args, on_disk: int) -> Resumption:
+        """Memory's newest version; with ``--ckpt-step N``, version N or the disk's iteration N."""
+        step = getattr(args, "ckpt_step", None)
+        if step is None:
+            return self.runtime.restore(disk_version=on_disk if on_disk >= 0 else None)
+        try:
+            return Resumption(MEMORY, restored=self.runtime.restore_named(step))
+        except NotRecoverableFromMemory as e:  # not a LayoutMismatch: held under another layout stops the load
+            return Resumption(DISK, reason=f"--ckpt-step {step}: {e}")
 
     def finish(self, args) -> None:
         self.runtime.finish(on_disk=saved_iteration(args.save))

@@ -203,6 +203,38 @@ def test_bad_flags_stop_the_driver_before_training(drop, add, message, shm_dir, 
     assert " iteration " not in job.log(0) and jobs.list_jobs(shm_dir) == []
 
 
+@pytest.mark.parametrize("flags, restored, detail", [
+    (["--no-load-rng"], STOP, "without its RNG"),
+    (["--no-load-optim"], STOP, "without its optimizer and scheduler"),
+    (["--finetune"], STOP, "without its optimizer and scheduler, RNG, iteration"),
+    (["--ckpt-step", str(STOP - 1)], STOP - 1, ""),
+], ids=["no-load-rng", "no-load-optim", "finetune", "ckpt-step"])
+def test_megatron_s_load_flags_shape_a_load_from_memory_as_one_from_disk(flags, restored, detail, shm_dir, tmp_path):
+    """Megatron-LM's load flags say what a load puts back. ftmem ignored them: a restore
+    from memory put back the optimizer, the RNG and the iteration whatever they said, and
+    always memory's newest version. Each flag's load from memory (after a node loss) now
+    trains on as Megatron's own load of the same flag does from its files."""
+    world, parallel = 2, ["--tensor-model-parallel-size", "2"]
+    ftmem = ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m", "1"]
+    outs = {}
+    for name, stock in (("reference", True), ("run", False)):
+        job = MegatronJob(world, parallel, ftmem, shm_dir, str(tmp_path / name), stock=stock)
+        if stock:  # Megatron's own files of every iteration
+            job.args[job.args.index("--save-interval") + 1] = "1"
+        with job.start("--stop-after", str(STOP)) as run:
+            run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT,
+                         f"iteration {STOP}")
+            run.kill_all()
+        if not stock:
+            jobs.lose_node(shm_dir, job.job, 1)
+        outs[name] = str(tmp_path / f"{name}.json")
+        job.run(outs[name], *flags)
+    for rank in range(world):
+        assert logged(restored_from_memory(restored, rank, detail, rebuilt=rank == 1), job.log(rank))
+    resumed, ref = read_out(outs["run"]), read_out(outs["reference"])
+    assert resumed["losses"] == ref["losses"] and resumed["digests"] == ref["digests"]
+
+
 def test_losing_more_than_m_nodes_resumes_from_the_checkpoint_written_from_memory(shm_dir, tmp_path):
     """TP 2 x DP 2 on 4 virtual nodes, one EC group with m=1. Megatron's persistent saves
     (every 3 iterations) are snapshots flushed to --save in the background, in

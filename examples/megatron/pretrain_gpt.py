@@ -93,6 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
     g.add_argument("--ckpt-format", default="torch")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, not the latest")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model alone (no optimizer, scheduler or RNG state) and start at iteration 0")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer and scheduler state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG state")
     add_non_persistent_args(p)
     add_ftmem_args(p)
     g = p.add_argument_group("logging")

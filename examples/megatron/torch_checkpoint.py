@@ -15,6 +15,7 @@ import shutil
 import torch
 
 from ftmem import save_atomically
+from ftmem_megatron.checkpointing import LoadScope
 from ftmem_megatron.torch_checkpoint import (DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, RELEASE, checkpoint_content,
                                              checkpoint_name, iteration_dir, model_keys, model_state, rank_dir_name,
                                              read_tracker, rng_state, set_rng_state, write_tracker)
@@ -58,12 +59,15 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> tuple[int, float]:
-    """Load the latest checkpoint under ``args.load`` into model, optimizer, scheduler
-    and RNGs; returns (iteration, num_floating_point_operations_so_far), (0, 0.0)
-    when there is none. Collective: every rank calls it."""
+    """Load the latest checkpoint under ``args.load`` (``--ckpt-step``'s iteration, where
+    given) into model, optimizer, scheduler and RNGs, as far as ``--finetune``,
+    ``--no-load-optim`` and ``--no-load-rng`` allow (:class:`LoadScope`); returns
+    (iteration, num_floating_point_operations_so_far), (0, 0.0) when there is none.
+    Collective: every rank calls it."""
     from megatron.core import parallel_state
 
-    iteration = read_tracker(args.load)
+    scope = LoadScope.of(args)
+    iteration = read_tracker(args.load) if args.ckpt_step is None else args.ckpt_step
     if iteration == RELEASE:
         raise NotImplementedError("release checkpoints are not supported")
     mine = -1 if iteration is None else iteration
@@ -82,15 +86,17 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> tuple[int, f
     state_dict = torch.load(path, map_location="cpu", weights_only=False)
     for name, chunk in zip(model_keys(len(model)), model):
         chunk.load_state_dict(state_dict[name], strict=True)
-    optimizer.load_state_dict(state_dict["optimizer"])
-    if args.use_distributed_optimizer:  # collective over DP
-        # no_grad: with fp32 parameters the DistributedOptimizer's main params are views
-        # of the model's (leaf, requires-grad) params, which it copy_()s into.
-        with torch.no_grad():
-            optimizer.load_parameter_state(os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILENAME))
-    opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
-    set_rng_state(state_dict["rng_state"][parallel_state.get_data_parallel_rank()])
+    if scope.optimizer:
+        optimizer.load_state_dict(state_dict["optimizer"])
+        if args.use_distributed_optimizer:  # collective over DP
+            # no_grad: with fp32 parameters the DistributedOptimizer's main params are views
+            # of the model's (leaf, requires-grad) params, which it copy_()s into.
+            with torch.no_grad():
+                optimizer.load_parameter_state(os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILENAME))
+        opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
+    if scope.rng:
+        set_rng_state(state_dict["rng_state"][parallel_state.get_data_parallel_rank()])
     torch.distributed.barrier()
     if args.rank == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
-    return state_dict["iteration"], state_dict["num_floating_point_operations_so_far"]
+    return (state_dict["iteration"] if scope.progress else 0), state_dict["num_floating_point_operations_so_far"]
