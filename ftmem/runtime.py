@@ -32,7 +32,7 @@ import torch.distributed as dist
 from . import testhooks
 from .config import FtmemConfig
 from .engine import SnapshotEngine
-from .errors import LayoutMismatch, NotRecoverableFromMemory
+from .errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from .format import FrameworkFormat
 from .handle import SaveHandle
 from .logs import announce, job_info, rank_info, restored_from_disk, restored_from_memory
@@ -130,23 +130,26 @@ class AdapterRuntime:
     # -- restore ------------------------------------------------------------------------
     def restore(self, disk_version: Optional[int] = None) -> Resumption:
         """Decide where to resume (collective): the newest version memory can recover for
-        every rank, unless the newest disk checkpoint (``disk_version``, None if there is
-        none) is newer; else disk; else scratch. A version saved under another layout, or
+        every rank, unless the newest disk checkpoint (``disk_version``: this rank's view,
+        None if there is none) is newer; else disk, which every rank must see alike; else
+        scratch. A version saved under another layout, or
         needing parity of another EC geometry, is refused with the reason (memory left as it
         is, for a restart with the right configuration), or skipped for the disk when
         ``allow_disk_fallback``."""
+        seen = self.gather(disk_version)
+        newest_on_disk = max((v for v in seen if v is not None), default=None)
         try:
             restored = self.engine.restore()
         except LayoutMismatch as e:  # EcGeometryMismatch included
-            return self.refuse_memory(str(e), disk_version)
+            return self.refuse_memory(str(e), _seen_alike(seen))
         except NotRecoverableFromMemory as e:
-            return self._without_memory(str(e), disk_version)
+            return self._without_memory(str(e), _seen_alike(seen))
         if restored is None:
-            return self._without_memory("memory holds no version of this job" if disk_version is not None else None,
-                                        disk_version)
-        if disk_version is not None and restored.version < disk_version:
+            return self._without_memory("memory holds no version of this job" if newest_on_disk is not None else None,
+                                        _seen_alike(seen))
+        if newest_on_disk is not None and restored.version < newest_on_disk:
             return self._without_memory(f"memory's newest version {restored.version} is older than iteration "
-                                        f"{disk_version} on disk", disk_version)
+                                        f"{newest_on_disk} on disk", _seen_alike(seen))
         return Resumption(MEMORY, restored=restored)
 
     def restore_named(self, version: int) -> Restored:
@@ -250,6 +253,18 @@ class AdapterRuntime:
         held = "what it holds" if self.engine.protected is None else f"its newest version ({self.engine.protected})"
         job_info("job %s keeps %s in shared memory (%s): a restart of the same job resumes from it. To free it: "
                  "ftmem clean --job %s --shm-dir %s", identity.job, held, reason, identity.job, identity.shm_dir)
+
+
+def _seen_alike(seen: list) -> Optional[int]:
+    """The newest disk checkpoint, which every rank must see alike (``seen``: each rank's,
+    by rank) to resume from disk; else the ranks would resume from different places."""
+    if len(set(seen)) == 1:
+        return seen[0]
+    views = ", ".join(f"rank {r}: {'none' if v is None else v}" for r, v in enumerate(seen))
+    raise FtmemError(f"the ranks see different newest checkpoints on disk ({views}), and memory cannot serve: "
+                     f"they would resume from different iterations. Give every rank the same view of the "
+                     f"checkpoint directory (a file system all nodes share, its caches current) and restart; "
+                     f"nothing was loaded.")
 
 
 def check_startup(config: FtmemConfig, rank: int, world_size: int) -> None:

@@ -16,7 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ftmem import MEMORY, AdapterRuntime, FrameworkFormat, FtmemConfig, ParallelLayout, save_atomically, write_atomically
+from ftmem import (DISK, MEMORY, AdapterRuntime, FrameworkFormat, FtmemConfig, ParallelLayout, flushed, save_atomically,
+                   write_atomically)
 
 
 class TensorFiles(FrameworkFormat):
@@ -70,11 +71,18 @@ def train(args, world: int) -> None:
     config = FtmemConfig.from_dict({"ranks_per_node": 1, "ec": {"k": 1, "m": 1}, "shm_dir": os.environ["SHM_DIR"]})
     runtime = AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(), save_dir=args.out,
                              persist_dir=args.persist, persist_interval=args.persist_interval if args.persist else 0)
-    resumption = runtime.restore()
+    # Where this rank reads the persistent tier's newest checkpoint: DISK_VIEW, a copy of
+    # it as a node whose file system cache is behind sees it, else the tier itself.
+    view = os.environ.get("DISK_VIEW", args.persist)
+    on_disk = flushed(view)[-1]["version"] if view and flushed(view) else None
+    resumption = runtime.restore(disk_version=on_disk)
     start = 1
     if resumption.source == MEMORY:
         runtime.resumed_from_memory(resumption.restored)
         start = resumption.restored.version + 1
+    elif resumption.source == DISK:  # the state of a step is the step: nothing to read
+        start = on_disk + 1
+    print(f"rank {dist.get_rank()}: resumes at step {start} ({resumption.source})", flush=True)
     for step in range(start, args.steps + 1):
         w = torch.full((1000,), float(step))  # the same on every rank: each snapshots half (DP sharding)
         runtime.save({"w": w}, step, replicated=lambda t: t is w)

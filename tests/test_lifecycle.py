@@ -4,8 +4,10 @@ Two ranks on two virtual nodes (k=1, m=1) run tests/lifecycle_job.py, a job on t
 adapter runtime, and end in different ways: real processes, real SMPs, real exits.
 """
 import glob
+import json
 import os
 import re
+import shutil
 import signal
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from conftest import job_id, logged
 from examples.launch import LocalJob, wait_until
 from ftmem import jobs, restored_from_memory
+from ftmem.persist import MANIFEST
 
 TIMEOUT = 120
 
@@ -149,3 +152,29 @@ def test_an_unwritable_persist_dir_is_refused_at_the_start(shm_dir, tmp_path):
     assert refused.wait(TIMEOUT) == [1, 1]
     assert "ConfigError: the persistent tier's directory" in refused.log(0) and "cannot hold checkpoints" \
         in refused.log(0)
+
+
+def test_ranks_that_see_different_newest_disk_checkpoints_are_refused_not_resumed_apart(shm_dir, tmp_path):
+    """Memory cannot serve (the job ended and freed it), so the restart resumes from disk;
+    but rank 1 reads the tier through a view a flush behind (a node whose file system cache
+    is stale). Each rank took the disk checkpoint it saw: rank 0 version 3, rank 1 version
+    2, and trained on from different steps, silently. Now every rank stops with the reason."""
+    job, persist = job_id(), tmp_path / "persist"
+    done = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job)
+    assert done.wait(TIMEOUT) == [0, 0], done.log(0)
+    assert jobs.list_jobs(shm_dir) == [] and (persist / "newest").read_text() == "v3"
+    stale = tmp_path / "stale-view"
+    shutil.copytree(persist, stale)
+    manifest = json.loads((stale / MANIFEST).read_text())
+    (stale / MANIFEST).write_text(json.dumps([entry for entry in manifest if entry["version"] < 3]))
+    again = run(shm_dir, tmp_path / "out", "--steps", "4", "--persist", str(persist), job=job,
+                rank_env={1: {"DISK_VIEW": str(stale)}})
+    assert again.wait(TIMEOUT) == [1, 1], again.log(0)
+    for rank in range(2):
+        assert ("the ranks see different newest checkpoints on disk (rank 0: 3, rank 1: 2), and memory cannot "
+                "serve") in again.log(rank), again.log(rank)[-3000:]
+        assert again.log(rank).count("resumes at step") == 1  # the first run's (rank logs append)
+    # The same relaunch with one view resumes from the disk's newest on every rank.
+    same = run(shm_dir, tmp_path / "out", "--steps", "4", "--persist", str(persist), job=job)
+    assert same.wait(TIMEOUT) == [0, 0], same.log(0)
+    assert all(f"rank {rank}: resumes at step 4 (disk)" in same.log(rank) for rank in range(2))
