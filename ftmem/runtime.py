@@ -35,7 +35,7 @@ from .engine import SnapshotEngine
 from .errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from .format import FrameworkFormat
 from .handle import SaveHandle
-from .logs import announce, job_info, rank_info, restored_from_disk, restored_from_memory
+from .logs import announce, job_info, restored_from_disk, restored_from_memory
 from .parallel import ParallelLayout
 from .identity import check_node_layout
 from .persist import Flusher, check_writable
@@ -198,9 +198,17 @@ class AdapterRuntime:
         announce(restored_from_disk(iteration, directory, self.rank, reason))
 
     def resumed_from_scratch(self, reason: Optional[str]) -> None:
-        if reason is not None:
-            rank_info(self.rank, "memory could not serve (%s) and there is no disk checkpoint: starting from scratch",
-                      reason)
+        """The framework found nothing to load. Right for a fresh job (no ``reason``); but
+        where memory held versions it could not give back (``reason``), a fresh start would
+        silently throw the job's progress away: refused (collective verdict, the same on every
+        rank), memory left as it is."""
+        if reason is None:
+            return
+        identity = self.engine.identity
+        raise NotRecoverableFromMemory(
+            f"memory could not serve ({reason}) and there is no disk checkpoint to load. ftmem does not start from "
+            f"scratch in place of what this job saved. To start over on purpose, free it first: ftmem clean --job "
+            f"{identity.job} --shm-dir {identity.shm_dir}")
 
     # -- end ----------------------------------------------------------------------------
     def close(self, job_finished: bool) -> None:

@@ -236,7 +236,7 @@ class MegatronCheckpointer:
     def report_disk_load(self, iteration: int, args) -> None:
         if self._memory_failed is None:
             return
-        if iteration > 0:
+        if disk_iteration(args.load) >= 0:  # iteration 0 too: --finetune loads a checkpoint
             self.runtime.resumed_from_disk(iteration, args.load, self._memory_failed)
         else:
             self.runtime.resumed_from_scratch(self._memory_failed)

@@ -175,6 +175,34 @@ def test_a_restart_under_another_ec_geometry_is_refused_and_loses_nothing(shm_di
     assert resumed["digests"] == ref["digests"]
 
 
+def test_more_than_m_nodes_lost_with_no_disk_checkpoint_is_refused_not_restarted_from_scratch(shm_dir, tmp_path):
+    """TP 2 x DP 2 on 4 virtual nodes, k=3 m=1, no persistent checkpoint yet: two nodes
+    lost. Memory cannot serve and --load holds nothing, so the job started from scratch,
+    said so in one log line, and its first save dropped what the survivors held. Now
+    every rank stops with the reason and the way to start over on purpose; memory stays."""
+    world, parallel = 4, ["--tensor-model-parallel-size", "2"]
+    job = MegatronJob(world, parallel, ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "3", "--ftmem-ec-m", "1"],
+                      shm_dir, str(tmp_path / "run"))
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"iteration {STOP}")
+        run.kill_all()
+    for node in (1, 2):
+        jobs.lose_node(shm_dir, job.job, node)
+    held = {n["node"]: n["versions"] for n in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"] if n["versions"]}
+    assert sorted(held) == [0, 3]
+    logged_before = [len(job.log(r)) for r in range(world)]
+    assert job.start().wait(TIMEOUT) == [1] * world, job.log(0)[-3000:]
+    for rank in range(world):
+        log = job.log(rank)[logged_before[rank]:]
+        assert ("NotRecoverableFromMemory: memory could not serve (no version is recoverable from memory" in log
+                and "lacks node(s) [1, 2]" in log), log[-3000:]
+        assert (f"ftmem does not start from scratch in place of what this job saved. To start over on purpose, "
+                f"free it first: ftmem clean --job {job.job} --shm-dir {shm_dir}") in log
+        assert " iteration " not in log  # no training
+    assert {n["node"]: n["versions"] for n in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"]
+            if n["versions"]} == held  # nothing dropped
+
+
 def test_a_job_that_ends_at_exit_frees_memory_once_megatron_s_own_save_holds_the_newest(shm_dir, tmp_path):
     """Megatron-LM's loop never calls checkpointing.finish(args): ftmem's end runs at exit.
     Where Megatron writes its persistent checkpoints itself (here with the distributed
