@@ -44,6 +44,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from typing import Iterator
 
+from . import testhooks
 from .config import seconds_from_env
 from .errors import FtmemError
 from .private import check_private_dir, open_private, read_private, unlink_if_present, write_atomically, write_new
@@ -172,9 +173,14 @@ class SnapshotManager:
             unlink_if_present(self._finished_marker(rank))
             return ("ok", os.getpid())
         # "finished": kept as files so that an SMP restarted in between still counts them.
-        with contextlib.suppress(FileExistsError):
-            write_new(self._finished_marker(rank), b"")
-        return ("ok", all(os.path.exists(self._finished_marker(r)) for r in self.ranks))
+        # Marked and counted under the lock, so that one answer only says "last": two ranks'
+        # threads both seeing every marker would both free the node and exit, the first
+        # before the other's answer went out (that rank's clean end then failed).
+        with self._lock:
+            with contextlib.suppress(FileExistsError):
+                write_new(self._finished_marker(rank), b"")
+            testhooks.at("smp_finished", rank, -1)
+            return ("ok", all(os.path.exists(self._finished_marker(r)) for r in self.ranks))
 
     def _owner_file(self, rank: int) -> str:
         return os.path.join(self.node_dir, f"owner.rank{rank:05d}")

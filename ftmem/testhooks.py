@@ -17,7 +17,9 @@ Points (any action at any point; tests/test_fault_matrix.py crosses them):
 * ``mid_rebuild``   restoring v onto a rank rebuilt from parity: its data is decoded and
   checked, the slot it goes into is emptied, nothing is written into it yet;
 * ``finish``        when the job ends (v: its newest version), before the ranks agree
-  on freeing its memory.
+  on freeing its memory;
+* ``smp_finished``  in the node's SMP (v: -1): rank r's "finished" is marked, the
+  markers not yet counted.
 """
 from __future__ import annotations
 

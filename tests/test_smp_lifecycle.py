@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import job_id, run_cli
+from examples.launch import wait_until
 from ftmem import FtmemError, SmpError, SnapshotEngine
 from ftmem import identity
 from ftmem.procs import pid_alive
@@ -277,3 +278,42 @@ def test_keepalives_carry_a_request_past_the_bound_and_silence_does_not(shm_dir,
         smp_client.exchange(client, ("ping",))
     assert time.monotonic() - start < 0.9
     client.close()
+
+
+# -- the end: every local rank says "finished" ----------------------------------------------------
+def test_ranks_of_a_node_that_finish_at_once_all_get_their_answer(shm_dir, tmp_path, monkeypatch):
+    """Two ranks of a node say "finished" at once, each on its own connection (a thread of
+    the SMP each). Both threads could see both markers and answer "last": the first freed
+    the node and exited before the other's answer went out, and that rank's clean end
+    failed with SharedMemoryRemoved (seen under load in
+    test_node_loss.py::test_two_ranks_per_node_lose_a_node). Here rank 0's thread is held
+    between its marker and its count while rank 1 finishes: one answer says "last"."""
+    from ftmem.smp_client import SmpClient
+
+    monkeypatch.setenv("FTMEM_TEST_HOOK", "smp_finished:hold:rank=0:version=-1")  # the SMP inherits it
+    monkeypatch.setenv("FTMEM_TEST_HOOK_DIR", str(tmp_path))
+    node_dir = identity.node_dir(shm_dir, job_id(), 0)
+    clients = [SmpClient(node_dir, [0, 1]) for _ in range(2)]
+    failures = []
+
+    def finish(rank: int) -> None:
+        try:
+            clients[rank].finish(rank)
+        except Exception as e:  # noqa: BLE001  (any failure of a clean end is the defect)
+            failures.append(f"rank {rank}: {e!r}")
+
+    for rank, client in enumerate(clients):
+        client.request("hello", rank, os.getpid())
+    first = threading.Thread(target=finish, args=(0,))
+    first.start()
+    wait_until(lambda: (tmp_path / "paused.rank0.v-1").exists(), 30, "rank 0's finish to be held in the SMP")
+    second = threading.Thread(target=finish, args=(1,))
+    second.start()
+    second.join(1.0)  # rank 1 is answered now, or waits for rank 0's count: either way rank 0 goes on
+    (tmp_path / "resume.rank0.v-1").touch()
+    for t in (first, second):
+        t.join(60)
+    for client in clients:
+        client.close()
+    assert failures == []
+    assert not os.path.exists(node_dir)  # the node's memory freed once both finished
