@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -144,7 +145,8 @@ class Restorer:
         testhooks.at("mid_restore", self.rank, chosen)
         if to_rebuild:
             problem = None
-            if self._column is not None and any(r in to_rebuild for r in self._column_ranks()):
+            column_rebuilds = self._column is not None and any(r in to_rebuild for r in self._column_ranks())
+            if column_rebuilds:
                 problem = self._rebuild(chosen, held, data, parity)
             # Every rank takes the same way out, or the next collective would hang.
             problems = [p for p in gather_objects(problem, self._gloo) if p is not None]
@@ -152,6 +154,8 @@ class Restorer:
                 raise NotRecoverableFromMemory(f"version {chosen} cannot be rebuilt from memory: "
                                                f"{'; '.join(problems)}. Fall back to a disk checkpoint.")
             data = {chosen: integrity.verify(self.store, chosen)} if self.rank in to_rebuild else data
+            if column_rebuilds:
+                self._protect_rebuilt(data[chosen], rebuilt_here=self.rank in to_rebuild)
         record = data[chosen]
         mismatch = record.layout and self.layout.mismatch(record.layout)
         if mismatch:
@@ -239,6 +243,27 @@ class Restorer:
         except (FtmemError, OSError) as e:  # no room on the replacement node, its memory gone again
             return f"rank {self.rank} could not store its rebuilt data ({e})"
         return None
+
+    def _protect_rebuilt(self, record: CommitRecord, rebuilt_here: bool) -> None:
+        """Give the rebuilt members of this column the parity their lost node held
+        (collective over the column). The column's parity of the version is encoded again
+        from its data, now whole; the rebuilt members store theirs, the others' is the same
+        as what they hold and is dropped. Without it, the version the job resumes from
+        survived no further node loss until the next save was protected."""
+        lengths, records, piece = self._column.exchange_info(record)
+        parity, nbytes = None, self._column.parity_nbytes(piece)
+        if rebuilt_here:
+            try:
+                self.memory.reserve(record.plan.nbytes, nbytes)
+                parity = self.memory.bytes_of(record.slot, PARITY).numpy()
+            except (FtmemError, OSError) as e:  # the column's exchange goes on: its peers are in it
+                rank_warning(self.rank, "cannot store its parity of version %d after the rebuild (%s): the version "
+                             "is protected again at the next save", record.version, e)
+        made = self._column.protect(record, self.memory.bytes_of(record.slot).numpy(),
+                                    np.empty(nbytes, dtype=np.uint8) if parity is None else parity,
+                                    lengths, records, piece)
+        if parity is not None:
+            self.store.write_parity(made)
 
     def _store_rebuilt(self, version: int, record: CommitRecord, raw) -> None:
         self.memory.reserve(record.plan.nbytes, self.store.capacity(PARITY))

@@ -178,3 +178,21 @@ def test_ranks_that_see_different_newest_disk_checkpoints_are_refused_not_resume
     same = run(shm_dir, tmp_path / "out", "--steps", "4", "--persist", str(persist), job=job)
     assert same.wait(TIMEOUT) == [0, 0], same.log(0)
     assert all(f"rank {rank}: resumes at step 4 (disk)" in same.log(rank) for rank in range(2))
+
+
+def test_a_rebuilt_node_is_protected_again_before_the_next_save(shm_dir, tmp_path):
+    """Node 1 lost and rebuilt from node 0's parity at the restart; the job resumes at its
+    last step, saves nothing and ends, keeping version 3. The rebuild gave node 1 its data
+    but not the parity of node 0's data it held, so losing node 0 next lost version 3.
+    Now the rebuild encodes that parity again, and the second loss is rebuilt too."""
+    job = job_id()
+    assert run(shm_dir, tmp_path, "--steps", "3", job=job).wait(TIMEOUT) == [0, 0]
+    jobs.lose_node(shm_dir, job, 1)
+    again = run(shm_dir, tmp_path, "--steps", "3", job=job)
+    assert again.wait(TIMEOUT) == [0, 0], again.log(1)
+    assert logged(restored_from_memory(3, 1, rebuilt=True), again.log(1))
+    jobs.lose_node(shm_dir, job, 0)
+    third = run(shm_dir, tmp_path, "--steps", "3", job=job)
+    assert third.wait(TIMEOUT) == [0, 0], third.log(0)
+    assert logged(restored_from_memory(3, 0, rebuilt=True), third.log(0)), third.log(0)[-3000:]
+    assert logged(restored_from_memory(3, 1), third.log(1))
