@@ -339,7 +339,12 @@ class SmpClient:
         until the SMP has freed the node's memory and exited."""
         if self.removed_error() is not None:
             return  # `ftmem clean` has freed the node already
-        _, last = self.request("finished", rank)
+        try:
+            _, last = self.request("finished", rank)
+        except errors.SharedMemoryRemoved:
+            # Freed while the answer was on its way: the SMP frees the node only once every
+            # local rank's "finished" is marked, this one's included (or `ftmem clean` did).
+            return
         # The SMP that answered, not the one running before: if that one was killed, the
         # request started a new one, and it is the new one that frees the memory.
         pid = self._pid
