@@ -245,6 +245,13 @@ class ColumnCoder:
         return ParityRecord(version=record.version, slot=record.slot, k=g.k, m=g.m, nodes=g.nodes,
                             piece_size=piece, lengths=tuple(lengths), records=tuple(records), checksums=tuple(sums))
 
+    def encode_again(self, record: CommitRecord, data: np.ndarray) -> tuple[ParityRecord, np.ndarray]:
+        """This member's parity of ``record``'s version, encoded again from the column's
+        data (collective over the column): for members that lack it after a rebuild."""
+        lengths, records, piece = self.exchange_info(record)
+        parity = np.empty(self.parity_nbytes(piece), dtype=np.uint8)
+        return self.protect(record, data, parity, lengths, records, piece), parity
+
     def _all_to_all(self, recv: torch.Tensor, send: torch.Tensor, incoming: list, outgoing: list, piece: int) -> None:
         """Moves (source, destination, ...) are laid out by peer in both buffers."""
         n = self.group.n

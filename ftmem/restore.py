@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -155,7 +154,7 @@ class Restorer:
                                                f"{'; '.join(problems)}. Fall back to a disk checkpoint.")
             data = {chosen: integrity.verify(self.store, chosen)} if self.rank in to_rebuild else data
             if column_rebuilds:
-                self._protect_rebuilt(data[chosen], rebuilt_here=self.rank in to_rebuild)
+                self._protect_rebuilt(data[chosen], store=self.rank in to_rebuild or chosen not in parity)
         record = data[chosen]
         mismatch = record.layout and self.layout.mismatch(record.layout)
         if mismatch:
@@ -244,26 +243,21 @@ class Restorer:
             return f"rank {self.rank} could not store its rebuilt data ({e})"
         return None
 
-    def _protect_rebuilt(self, record: CommitRecord, rebuilt_here: bool) -> None:
-        """Give the rebuilt members of this column the parity their lost node held
-        (collective over the column). The column's parity of the version is encoded again
-        from its data, now whole; the rebuilt members store theirs, the others' is the same
-        as what they hold and is dropped. Without it, the version the job resumes from
-        survived no further node loss until the next save was protected."""
-        lengths, records, piece = self._column.exchange_info(record)
-        parity, nbytes = None, self._column.parity_nbytes(piece)
-        if rebuilt_here:
-            try:
-                self.memory.reserve(record.plan.nbytes, nbytes)
-                parity = self.memory.bytes_of(record.slot, PARITY).numpy()
-            except (FtmemError, OSError) as e:  # the column's exchange goes on: its peers are in it
-                rank_warning(self.rank, "cannot store its parity of version %d after the rebuild (%s): the version "
-                             "is protected again at the next save", record.version, e)
-        made = self._column.protect(record, self.memory.bytes_of(record.slot).numpy(),
-                                    np.empty(nbytes, dtype=np.uint8) if parity is None else parity,
-                                    lengths, records, piece)
-        if parity is not None:
+    def _protect_rebuilt(self, record: CommitRecord, store: bool) -> None:
+        """Give the members of this column that lack their parity of the version (the
+        rebuilt ones: their lost node held it) that parity back (collective over the
+        column); the others get the very bytes they hold, and drop them. Without it, the
+        version the job resumes from survived no further node loss until the next save."""
+        made, parity = self._column.encode_again(record, self.memory.bytes_of(record.slot).numpy())
+        if not store:
+            return
+        try:  # after the column's exchange: a failure here is this rank's alone
+            self.memory.reserve(record.plan.nbytes, len(parity))
+            self.memory.bytes_of(record.slot, PARITY).numpy()[: len(parity)] = parity
             self.store.write_parity(made)
+        except (FtmemError, OSError) as e:
+            rank_warning(self.rank, "cannot store its parity of version %d after the rebuild (%s): the version is "
+                         "protected again at the next save", record.version, e)
 
     def _store_rebuilt(self, version: int, record: CommitRecord, raw) -> None:
         self.memory.reserve(record.plan.nbytes, self.store.capacity(PARITY))

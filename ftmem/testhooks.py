@@ -10,7 +10,8 @@ Points (any action at any point; tests/test_fault_matrix.py crosses them):
 * ``mid_copy``      saving v: half of the tensors are copied into the slot, no marker;
 * ``after_commit``  saving v: right after its commit marker, before any parity exists;
 * ``mid_exchange``  saving v with erasure coding: after the column's first all_to_all
-  of pieces (ftmem/protect.py), before its parity is encoded or recorded;
+  of pieces (ftmem/protect.py), before its parity is encoded or recorded; also in a
+  restore that rebuilt a rank, when the column encodes v's parity again;
 * ``mid_flush``     flushing v to disk: once one file of it is written;
 * ``mid_restore``   restoring: the job agreed on v (ftmem/restore.py), before anything
   is rebuilt or a tensor read;
