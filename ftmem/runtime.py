@@ -76,6 +76,7 @@ class AdapterRuntime:
                                              first_replica=peers.ranks[0] == self.rank,
                                              world_size=self.engine.identity.world_size))
         self._crashed = self._finished = False
+        self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (restore_named)
         _close_at_exit(self)
 
     @property
@@ -97,6 +98,7 @@ class AdapterRuntime:
         """Snapshot ``state`` with this rank's RNG (under ``"rng"``) as ``version``."""
         self._handle = self.engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
                                         persist=persist)
+        self._kept_newer = []  # the save dropped every version >= its own
         return self._handle
 
     def wait_reusable(self) -> None:
@@ -140,8 +142,8 @@ class AdapterRuntime:
         newest_on_disk = max((v for v in seen if v is not None), default=None)
         try:
             restored = self.engine.restore()
-        except LayoutMismatch as e:  # EcGeometryMismatch included
-            return self.refuse_memory(str(e), _seen_alike(seen))
+        except LayoutMismatch as e:  # EcGeometryMismatch included; the disk matters only if it may be loaded
+            return self.refuse_memory(str(e), _seen_alike(seen) if self.config.allow_disk_fallback else newest_on_disk)
         except NotRecoverableFromMemory as e:
             return self._without_memory(str(e), _seen_alike(seen))
         if restored is None:
@@ -157,7 +159,11 @@ class AdapterRuntime:
         or a refusal with the reason (NotRecoverableFromMemory, LayoutMismatch), never
         another in its place. Newer versions stay held, as the default engine's newer files
         stay on disk: a resume without a name still finds them, and the next save drops them."""
-        return self.engine.restore(version, drop_newer=False)
+        restored = self.engine.restore(version, drop_newer=False)
+        # Until the next save drops them, the job's end must not free memory for the loaded
+        # version alone being on disk (one view on every rank: gathered).
+        self._kept_newer = sorted({v for held in self.gather(self.engine.versions()) for v in held if v > version})
+        return restored
 
     def agree(self, problem: Optional[str]) -> Optional[str]:
         """Every rank's verdict on its own part of a restore; the first problem any rank
@@ -241,6 +247,8 @@ class AdapterRuntime:
         # Every rank ended cleanly, or none does anything collective beyond this vote.
         if not self.engine.everyone_agrees(problem is None):
             return self._keep(problem or "a rank did not end cleanly")
+        if self._kept_newer:
+            return self._keep(f"it also holds version(s) {self._kept_newer}, newer than the version it loaded by name")
         flusher, newest = self.engine.flusher, self.engine.protected
         testhooks.at("finish", self.rank, -1 if newest is None else newest)
         if flusher is not None and (on_disk is None or newest is None or on_disk < newest):
@@ -258,7 +266,8 @@ class AdapterRuntime:
         self.close(job_finished=False)
         identity = self.engine.identity
         # None: this run saved nothing and restored nothing (it failed first); what it held stays.
-        held = "what it holds" if self.engine.protected is None else f"its newest version ({self.engine.protected})"
+        newest = max(self._kept_newer, default=self.engine.protected)
+        held = "what it holds" if newest is None else f"its newest version ({newest})"
         job_info("job %s keeps %s in shared memory (%s): a restart of the same job resumes from it. To free it: "
                  "ftmem clean --job %s --shm-dir %s", identity.job, held, reason, identity.job, identity.shm_dir)
 

@@ -2,7 +2,7 @@
 rank saves a replicated tensor per step, protected, and ends the way ``--end`` says.
 
     python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close} [--persist DIR]
-        [--persist-interval N] [--destroys-group]
+        [--persist-interval N] [--destroys-group] [--load-version V]
 
 ``--end close`` closes the runtime itself, keeping the memory, before it returns. With
 ``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ftmem import (DISK, MEMORY, AdapterRuntime, FrameworkFormat, FtmemConfig, ParallelLayout, flushed, save_atomically,
-                   write_atomically)
+from ftmem import (DISK, MEMORY, AdapterRuntime, FrameworkFormat, FtmemConfig, ParallelLayout, Resumption, flushed,
+                   save_atomically, write_atomically)
 
 
 class TensorFiles(FrameworkFormat):
@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--persist", default=None)
     p.add_argument("--persist-interval", type=int, default=1)
     p.add_argument("--destroys-group", action="store_true")
+    p.add_argument("--load-version", type=int, default=None,
+                   help="resume from this version, named (AdapterRuntime.restore_named), not the newest")
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -75,7 +77,8 @@ def train(args, world: int) -> None:
     # it as a node whose file system cache is behind sees it, else the tier itself.
     view = os.environ.get("DISK_VIEW", args.persist)
     on_disk = flushed(view)[-1]["version"] if view and flushed(view) else None
-    resumption = runtime.restore(disk_version=on_disk)
+    resumption = (Resumption(MEMORY, restored=runtime.restore_named(args.load_version))
+                  if args.load_version is not None else runtime.restore(disk_version=on_disk))
     start = 1
     if resumption.source == MEMORY:
         runtime.resumed_from_memory(resumption.restored)

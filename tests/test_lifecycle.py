@@ -196,3 +196,21 @@ def test_a_rebuilt_node_is_protected_again_before_the_next_save(shm_dir, tmp_pat
     assert third.wait(TIMEOUT) == [0, 0], third.log(0)
     assert logged(restored_from_memory(3, 0, rebuilt=True), third.log(0)), third.log(0)[-3000:]
     assert logged(restored_from_memory(3, 1), third.log(1))
+
+
+def test_a_job_that_loaded_an_older_version_by_name_keeps_the_newer_ones_at_its_end(shm_dir, tmp_path):
+    """A relaunch loads version 2 by name (DeepSpeed's load_checkpoint(dir, tag), Megatron's
+    --ckpt-step) while memory holds 3, saves nothing (an evaluation) and ends. Its end took
+    2 for the job's newest: it flushed 2 to the tier and freed memory, 3 with it, though 3
+    was never on disk. Memory now stays until a save drops the newer versions."""
+    job, persist = job_id(), tmp_path / "persist"
+    assert run(shm_dir, tmp_path / "out", "--steps", "3", "--end", "exit1", job=job).wait(TIMEOUT) == [1, 1]
+    named = run(shm_dir, tmp_path / "out", "--steps", "2", "--persist", str(persist), "--load-version", "2", job=job)
+    assert named.wait(TIMEOUT) == [0, 0], named.log(0)
+    assert logged(restored_from_memory(2, 0), named.log(0))
+    assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}
+    assert f"job {job} keeps its newest version (3) in shared memory (it also holds version(s) [3], newer than " \
+           f"the version it loaded by name)" in named.log(0)
+    again = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job)
+    assert again.wait(TIMEOUT) == [0, 0], again.log(0)
+    assert logged(restored_from_memory(3, 0), again.log(0))
