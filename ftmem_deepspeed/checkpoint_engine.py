@@ -182,6 +182,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if not is_stub(path):  # a checkpoint written by another engine: stock behaviour
             return torch.load(path, map_location=map_location, weights_only=False)
         self._start(os.path.dirname(os.path.dirname(path)))
+        if self._restored is not None and self._restored["tag"] != _tag_of(path):
+            self.loaded()  # a load of another tag began (with the patch, DeepSpeed calls no loaded())
         state = self._restore(path)
         key = file_key(path)
         if state is not None and key in state["files"]:
@@ -213,6 +215,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         loaded that checkpoint, so a fresh start in its place would be a silently wrong
         resume. Collective: every rank loads."""
         self._start(load_dir)
+        self.loaded()  # a new load begins (with the patch, DeepSpeed calls no loaded() after the last)
         self._restore()
         if self._restored is not None:
             return load_dir, self._restored["tag"]
@@ -268,13 +271,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if self._restored is not None and self._restored["tag"] == tag:
             state = self._restored
         else:
-            version = _version_of_tag(os.path.dirname(path))
-            restored = self.runtime.engine.restore(version, drop_newer=False)
-            state = restored.state if restored is not None else None
-            if state is None or state["tag"] != tag:
-                raise FtmemError(f"{path} is a stub of version {version} (tag {tag!r}), which memory no longer holds "
-                                 f"(it holds {self.runtime.engine.versions()}). Load an older disk checkpoint or one "
-                                 f"written by the persistent tier.")
+            state = self._restore_tag(path, resume=False).state
         mine = {key: file for key, file in state["files"].items() if os.path.dirname(key) == tag}
         # A file every DP replica holds (the model states) is served as the default engine
         # writes it: from the lowest rank (DeepSpeed fills some entries, such as the tied
@@ -327,13 +324,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
             return self._restored
         self._restore_tried = True
         if named is not None:
-            tag, version = _tag_of(named), _version_of_tag(os.path.dirname(named))
-            restored = self.runtime.restore_named(version)
-            if restored.state["tag"] != tag:
-                raise FtmemError(f"{named} is a stub of version {version} (tag {tag!r}), but memory's version "
-                                 f"{version} is tag {restored.state['tag']!r}: a later save of the same global step "
-                                 f"replaced it. Load tag {restored.state['tag']!r}, or a checkpoint on disk.")
-            return self._resumed_from_memory(restored)
+            return self._resumed_from_memory(self._restore_tag(named, resume=True))
         persist_dir = self.config.persist.dir
         on_disk = flushed(persist_dir)[-1] if persist_dir and flushed(persist_dir) else None
         resumption = self.runtime.restore(disk_version=on_disk["version"] if on_disk else None)
@@ -346,6 +337,18 @@ class FtmemCheckpointEngine(CheckpointEngine):
         else:
             self._memory_failed = resumption.reason  # said by resume_point, or in the stub read's refusal
         return self._restored
+
+    def _restore_tag(self, path: str, resume: bool) -> Restored:
+        """The version whose stub ``path`` is, from memory (collective), or a refusal: for the
+        job to resume from (``resume``: a load of that tag), or for a read of its files."""
+        tag, version = _tag_of(path), _version_of_tag(os.path.dirname(path))
+        restored = (self.runtime.restore_named(version) if resume
+                    else self.runtime.engine.restore(version, drop_newer=False))
+        if restored.state["tag"] != tag:
+            raise FtmemError(f"{path} is a stub of version {version} (tag {tag!r}), but memory's version {version} is "
+                             f"tag {restored.state['tag']!r}: a later save of the same global step replaced it. Load "
+                             f"tag {restored.state['tag']!r}, or a checkpoint on disk.")
+        return restored
 
     def _resumed_from_memory(self, restored: Restored) -> dict:
         self._restored = restored.state

@@ -40,6 +40,8 @@ from .torch_checkpoint import RELEASE, read_tracker
 COMPATIBILITY_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
                       "max_position_embeddings", "padded_vocab_size", "vocab_size", "micro_batch_size",
                       "global_batch_size", "use_distributed_optimizer")
+# Of those, the ones that only shape the training progress.
+PROGRESS_SHAPING_ARGS = ("micro_batch_size", "global_batch_size")
 # Megatron-LM's training progress, kept in args; its data loaders start from it.
 PROGRESS_ARGS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
 # Settings under which something the snapshot copies is written before the next
@@ -111,9 +113,10 @@ def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
     return state
 
 
-def _args_mismatch(saved: dict, args) -> Optional[str]:
+def _args_mismatch(saved: dict, args, scope: "LoadScope") -> Optional[str]:
+    # A load that takes no progress (--finetune) may change the batch sizes, as Megatron-LM allows.
     diffs = [f"{name} {was} -> {getattr(args, name, None)}" for name, was in saved.items()
-             if was != getattr(args, name, None)]
+             if was != getattr(args, name, None) and (scope.progress or name not in PROGRESS_SHAPING_ARGS)]
     return (f"the snapshot was saved with other args: {'; '.join(diffs)}. Restart with the args it was saved with."
             if diffs else None)
 
@@ -193,9 +196,9 @@ class MegatronCheckpointer:
         scope = LoadScope.of(args)
         # An optimizer left as built is not asked for its state: building a load's template
         # gives it (empty) state.
-        optimizer = optimizer if scope.optimizer else None
+        kept_optimizer, optimizer = optimizer, (optimizer if scope.optimizer else None)
         try:
-            problem = _args_mismatch(state["args"], args)
+            problem = _args_mismatch(state["args"], args, scope)
             if problem is None:
                 filled = from_snapshot(_sharded_state(model, optimizer, is_loading=True), state["sharded"],
                                        state["places"])
@@ -212,6 +215,10 @@ class MegatronCheckpointer:
                 chunk.load_state_dict(filled[f"model{i}"], strict=True)
             if optimizer is not None:
                 optimizer.load_state_dict(filled["optimizer"])
+            elif kept_optimizer is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
+                # As Megatron-LM: main params of a mixed-precision optimizer left as built
+                # would overwrite the loaded weights at the first step.
+                kept_optimizer.reload_model_params()
         if opt_param_scheduler is not None and scope.optimizer:
             opt_param_scheduler.load_state_dict(state["scheduler"])
         if scope.progress:
@@ -227,7 +234,9 @@ class MegatronCheckpointer:
             return self.runtime.restore(disk_version=on_disk if on_disk >= 0 else None)
         try:
             return Resumption(MEMORY, restored=self.runtime.restore_named(step))
-        except NotRecoverableFromMemory as e:  # not a LayoutMismatch: held under another layout stops the load
+        except LayoutMismatch as e:  # held, but for another layout or EC geometry
+            return self.runtime.refuse_memory(str(e), on_disk if on_disk >= 0 else None)
+        except NotRecoverableFromMemory as e:
             return Resumption(DISK, reason=f"--ckpt-step {step}: {e}")
 
     def finish(self, args) -> None:
