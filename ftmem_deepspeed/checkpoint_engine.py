@@ -209,7 +209,9 @@ class FtmemCheckpointEngine(CheckpointEngine):
         kill mid-write): ``(load_dir, tag)`` of memory's newest recoverable version, else
         ``(persist dir, tag)`` of the persistent tier's newest checkpoint, else
         ``(load_dir, None)`` to let DeepSpeed read ``latest`` when it names another
-        engine's files; None when there is nothing to resume from (said in the log).
+        engine's files; None for a fresh job, which has nothing to resume from. Memory that
+        held versions it cannot give back, with no disk checkpoint, is refused with the
+        reason (:meth:`ftmem.AdapterRuntime.resumed_from_scratch`).
         When ``latest`` names an ftmem checkpoint that neither memory nor the persistent
         tier can give back, the load is refused: DeepSpeed's default engine would have
         loaded that checkpoint, so a fresh start in its place would be a silently wrong

@@ -245,7 +245,8 @@ class MegatronCheckpointer:
     def report_disk_load(self, iteration: int, args) -> None:
         if self._memory_failed is None:
             return
-        if disk_iteration(args.load) >= 0:  # iteration 0 too: --finetune loads a checkpoint
+        # Iteration 0 may be a load too (--finetune); a tracker may be missing (--ckpt-step).
+        if iteration > 0 or disk_iteration(args.load) >= 0:
             self.runtime.resumed_from_disk(iteration, args.load, self._memory_failed)
         else:
             self.runtime.resumed_from_scratch(self._memory_failed)
