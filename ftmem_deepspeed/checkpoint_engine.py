@@ -182,8 +182,6 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if not is_stub(path):  # a checkpoint written by another engine: stock behaviour
             return torch.load(path, map_location=map_location, weights_only=False)
         self._start(os.path.dirname(os.path.dirname(path)))
-        if self._restored is not None and self._restored["tag"] != _tag_of(path):
-            self.loaded()  # a load of another tag began (with the patch, DeepSpeed calls no loaded())
         state = self._restore(path)
         key = file_key(path)
         if state is not None and key in state["files"]:
@@ -217,7 +215,6 @@ class FtmemCheckpointEngine(CheckpointEngine):
         loaded that checkpoint, so a fresh start in its place would be a silently wrong
         resume. Collective: every rank loads."""
         self._start(load_dir)
-        self.loaded()  # a new load begins (with the patch, DeepSpeed calls no loaded() after the last)
         self._restore()
         if self._restored is not None:
             return load_dir, self._restored["tag"]
@@ -311,7 +308,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
         return isinstance(state_dict, dict) and "module" in state_dict and self.zero_stage < 3
 
     def loaded(self) -> None:
-        """DeepSpeed's ``load_checkpoint`` returned: forget what it restored. A later load
+        """DeepSpeed's ``load_checkpoint`` returned (the import's hook), or the next one
+        begins (the patch, which has no place after the load): forget what it restored. A later load
         (a rollback mid-run) must find the newest version again, not this one; and the
         framework may now own the restored tensors (an optimizer keeps those it is given and
         trains them), so they must not be served again as the version's."""

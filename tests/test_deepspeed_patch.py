@@ -37,7 +37,8 @@ def test_patch_applies_and_selects_ftmem_natively(tmp_path, shm_dir):
         print("SELECTED", type(chosen).__name__, type(stock).__name__, "ftmem_deepspeed" in sys.modules)
         import inspect
         from deepspeed.runtime.engine import DeepSpeedEngine
-        print("HOOKS", "resume_point" in inspect.getsource(DeepSpeedEngine.load_checkpoint),
+        load = inspect.getsource(DeepSpeedEngine.load_checkpoint)
+        print("HOOKS", "resume_point" in load, "checkpoint_engine.loaded()" in load,
               "wait_reusable" in inspect.getsource(DeepSpeedEngine._take_model_step))
     """)
     env = dict(os.environ, PYTHONPATH=str(tmp_path), DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1",
@@ -45,4 +46,4 @@ def test_patch_applies_and_selects_ftmem_natively(tmp_path, shm_dir):
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "SELECTED FtmemCheckpointEngine TorchCheckpointEngine" in out.stdout
-    assert "HOOKS True True" in out.stdout
+    assert "HOOKS True True True" in out.stdout
