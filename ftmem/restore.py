@@ -153,8 +153,12 @@ class Restorer:
                 raise NotRecoverableFromMemory(f"version {chosen} cannot be rebuilt from memory: "
                                                f"{'; '.join(problems)}. Fall back to a disk checkpoint.")
             data = {chosen: integrity.verify(self.store, chosen)} if self.rank in to_rebuild else data
-            if column_rebuilds:
-                self._protect_rebuilt(data[chosen], store=self.rank in to_rebuild or chosen not in parity)
+            stored = column_rebuilds and self._protect_rebuilt(data[chosen],
+                                                               self.rank in to_rebuild or chosen not in parity)
+            # For `ftmem status`: protected again once every rank holds its parity of it.
+            if all(gather_objects(chosen in parity or stored, self._gloo)) and \
+                    (self.store.read_protected() or 0) < chosen:
+                self.store.write_protected(chosen)
         record = data[chosen]
         mismatch = record.layout and self.layout.mismatch(record.layout)
         if mismatch:
@@ -243,14 +247,13 @@ class Restorer:
             return f"rank {self.rank} could not store its rebuilt data ({e})"
         return None
 
-    def _protect_rebuilt(self, record: CommitRecord, store: bool) -> None:
-        """Give the members of this column that lack their parity of the version (the
-        rebuilt ones: their lost node held it) that parity back (collective over the
-        column); the others get the very bytes they hold, and drop them. Without it, the
-        version the job resumes from survived no further node loss until the next save."""
+    def _protect_rebuilt(self, record: CommitRecord, store: bool) -> bool:
+        """Give the members of this column lacking their parity of the version (the rebuilt
+        ones) that parity, encoded again from the column's data (collective over the column):
+        else the version survived no further node loss until the next save. Whether stored."""
         made, parity = self._column.encode_again(record, self.memory.bytes_of(record.slot).numpy())
         if not store:
-            return
+            return False
         try:  # after the column's exchange: a failure here is this rank's alone
             self.memory.reserve(record.plan.nbytes, len(parity))
             self.memory.bytes_of(record.slot, PARITY).numpy()[: len(parity)] = parity
@@ -258,6 +261,7 @@ class Restorer:
         except (FtmemError, OSError) as e:
             rank_warning(self.rank, "cannot store its parity of version %d after the rebuild (%s): the version is "
                          "protected again at the next save", record.version, e)
+        return record.version in self.store.parity_held()
 
     def _store_rebuilt(self, version: int, record: CommitRecord, raw) -> None:
         self.memory.reserve(record.plan.nbytes, self.store.capacity(PARITY))

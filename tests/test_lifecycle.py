@@ -191,6 +191,7 @@ def test_a_rebuilt_node_is_protected_again_before_the_next_save(shm_dir, tmp_pat
     again = run(shm_dir, tmp_path, "--steps", "3", job=job)
     assert again.wait(TIMEOUT) == [0, 0], again.log(1)
     assert logged(restored_from_memory(3, 1, rebuilt=True), again.log(1))
+    assert {n["node"]: n["protected"] for n in jobs.status(shm_dir, job)["jobs"][0]["nodes"]} == {0: 3, 1: 3}
     jobs.lose_node(shm_dir, job, 0)
     third = run(shm_dir, tmp_path, "--steps", "3", job=job)
     assert third.wait(TIMEOUT) == [0, 0], third.log(0)
