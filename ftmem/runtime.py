@@ -134,10 +134,9 @@ class AdapterRuntime:
         """Decide where to resume (collective): the newest version memory can recover for
         every rank, unless the newest disk checkpoint (``disk_version``: this rank's view,
         None if there is none) is newer; else disk, which every rank must see alike; else
-        scratch. A version saved under another layout, or
-        needing parity of another EC geometry, is refused with the reason (memory left as it
-        is, for a restart with the right configuration), or skipped for the disk when
-        ``allow_disk_fallback``."""
+        scratch. A version saved under another layout, or needing parity of another EC
+        geometry, is refused with the reason (memory left as it is, for a restart with the
+        right configuration), or skipped for the disk when ``allow_disk_fallback``."""
         seen = self.gather(disk_version)
         newest_on_disk = max((v for v in seen if v is not None), default=None)
         try:
