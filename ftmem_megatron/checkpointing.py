@@ -113,7 +113,7 @@ def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
     return state
 
 
-def _args_mismatch(saved: dict, args, scope: "LoadScope") -> Optional[str]:
+def _args_mismatch(saved: dict, args, scope: LoadScope) -> Optional[str]:
     # A load that takes no progress (--finetune) may change the batch sizes, as Megatron-LM allows.
     diffs = [f"{name} {was} -> {getattr(args, name, None)}" for name, was in saved.items()
              if was != getattr(args, name, None) and (scope.progress or name not in PROGRESS_SHAPING_ARGS)]
@@ -275,9 +275,10 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler, num_f
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, args, **_megatron_extras) -> Optional[tuple[int, Any]]:
     """Restore the newest version memory can recover for every rank, if it is newer
-    than the persistent checkpoint in ``args.load``; returns ``(iteration,
-    num_floating_point_operations_so_far)``, or None to let Megatron load from disk
-    (collective)."""
+    than the persistent checkpoint in ``args.load`` (``--ckpt-step``'s version, where
+    given), as far as Megatron-LM's load flags allow (:class:`LoadScope`); returns
+    ``(iteration, num_floating_point_operations_so_far)``, or None to let Megatron load
+    from disk (collective)."""
     return _for(args).load(model, optimizer, opt_param_scheduler, args)
 
 
