@@ -282,7 +282,12 @@ class FtmemCheckpointEngine(CheckpointEngine):
         return served
 
     def wait_reusable(self) -> None:
-        """Before the optimizer writes the state again: the snapshot's copy must be done."""
+        """Before the optimizer writes the state again: the snapshot's copy must be done. The
+        step also ends the load before it, where nothing else did: the patch calls
+        :meth:`loaded` only as the next load begins, and from here on the optimizer trains
+        any restored tensors it kept."""
+        if self._restore_tried or self._served is not None:
+            self.loaded()
         if self.runtime is not None:
             self.runtime.wait_reusable()
 
@@ -312,8 +317,10 @@ class FtmemCheckpointEngine(CheckpointEngine):
         begins (the patch, which has no place after the load): forget what it restored. A later load
         (a rollback mid-run) must find the newest version again, not this one; and the
         framework may now own the restored tensors (an optimizer keeps those it is given and
-        trains them), so they must not be served again as the version's."""
+        trains them), so they must not be served again as the version's; nor may files served
+        by path, which their reader may have kept."""
         self._restored, self._restore_tried, self._disk_dir, self._memory_failed = None, False, None, None
+        self._served = None
 
     def _restore(self, named: Optional[str] = None) -> Optional[dict]:
         """Restore once per load (all ranks load together). A resume (no ``named`` file):

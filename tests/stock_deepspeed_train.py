@@ -3,7 +3,8 @@ engine, which only the JSON config names (tests/test_deepspeed_json_switch.py).
 
     python -m tests.stock_deepspeed_train --config CONFIG.json --save-dir DIR --iters N --out DIR
         [--save-16bit DIR] [--also-save-to DIR]
-        [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-in-worker]
+        [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-all|torch-load-in-worker]
+        [--read-back-tag TAG]
 
 Each step's loss (as float hex) and the final weights go to ``--out``; it saves after
 every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the end,
@@ -11,8 +12,9 @@ every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the 
 ``--also-save-to`` saves the last step's checkpoint once more into another directory, and
 ``--read-back`` reads the newest checkpoint's files as scripts do, writing what it got
 to ``--out``: DeepSpeed's zero_to_fp32 in-process (on every rank, or on rank 0 only),
-or ``torch.load`` of the rank's model-states file by path, in the rank itself or in a
-forked worker process (as DeepSpeed's ds_to_universal reads files).
+or ``torch.load`` of the rank's model-states file by path (its module, or every tensor
+in it), in the rank itself or in a forked worker process (as DeepSpeed's ds_to_universal
+reads files). ``--read-back-tag`` reads that tag's files instead of the newest's.
 """
 import argparse
 import concurrent.futures
@@ -37,7 +39,9 @@ def main() -> None:
     p.add_argument("--save-16bit", default=None)
     p.add_argument("--also-save-to", default=None)
     p.add_argument("--read-back", default=None,
-                   choices=("zero_to_fp32", "zero_to_fp32-on-rank-0", "torch-load", "torch-load-in-worker"))
+                   choices=("zero_to_fp32", "zero_to_fp32-on-rank-0", "torch-load", "torch-load-all",
+                            "torch-load-in-worker"))
+    p.add_argument("--read-back-tag", default=None)
     args = p.parse_args()
     with open(args.config) as f:
         config = json.load(f)
@@ -69,29 +73,44 @@ def main() -> None:
     if args.also_save_to:
         engine.save_checkpoint(args.also_save_to, client_state={"next_step": args.iters})
     if args.read_back:
-        read_back(args.read_back, engine, args.save_dir, os.path.join(args.out, f"rank{rank}.read-back.pt"))
+        read_back(args.read_back, engine, args.save_dir, args.read_back_tag,
+                  os.path.join(args.out, f"rank{rank}.read-back.pt"))
     torch.distributed.destroy_process_group()  # as PyTorch asks: no group's threads left to end at exit
 
 
-def read_back(how: str, engine, save_dir: str, out: str) -> None:
+def read_back(how: str, engine, save_dir: str, tag, out: str) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     rank = torch.distributed.get_rank()
     if how.startswith("torch-load"):
-        with open(os.path.join(save_dir, "latest")) as f:
-            tag = f.read().strip()
+        if tag is None:
+            with open(os.path.join(save_dir, "latest")) as f:
+                tag = f.read().strip()
         path = engine._get_ckpt_name(save_dir, tag)
         if how == "torch-load-in-worker":
             with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
                 print(f"rank {rank}: worker read {pool.submit(describe_read, path).result()}", flush=True)
             return
-        got = torch.load(path, map_location="cpu", weights_only=False)["module"]
+        got = torch.load(path, map_location="cpu", weights_only=False)
+        got = dict(tensors_in(got)) if how == "torch-load-all" else got["module"]
     elif how == "zero_to_fp32" or rank == 0:
         got = get_fp32_state_dict_from_zero_checkpoint(save_dir)
     else:
         return
     torch.save({k: v.clone() for k, v in got.items()}, out)
     print(f"rank {rank}: read back {len(got)} tensors with {how}", flush=True)
+
+
+def tensors_in(obj, name: str = ""):
+    """(dotted name, tensor) for every tensor in a loaded checkpoint file."""
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from tensors_in(value, f"{name}.{key}" if name else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from tensors_in(value, f"{name}.{i}" if name else str(i))
 
 
 def describe_read(path: str) -> str:

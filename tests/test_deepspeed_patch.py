@@ -7,19 +7,29 @@ import sys
 import textwrap
 
 import deepspeed
+import torch
 
-from conftest import job_id
+from conftest import job_id, logged
+from ftmem import restored_from_memory
+from test_deepspeed import ENV, STOCK_ENV, TIMEOUT, config_pair, stock_script
 
 PATCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches",
                      "deepspeed-0.19.8-ftmem.patch")
 
 
-def test_patch_applies_and_selects_ftmem_natively(tmp_path, shm_dir):
+def patched_deepspeed(root) -> str:
+    """A copy of the installed DeepSpeed with the patch applied, under ``root``; the
+    directory to put first on PYTHONPATH."""
     assert deepspeed.__version__ == "0.19.8"
-    shutil.copytree(os.path.dirname(deepspeed.__file__), tmp_path / "deepspeed",
+    shutil.copytree(os.path.dirname(deepspeed.__file__), root / "deepspeed",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    applied = subprocess.run(["patch", "-p1", "--forward", "-i", PATCH], cwd=tmp_path, capture_output=True, text=True)
+    applied = subprocess.run(["patch", "-p1", "--forward", "-i", PATCH], cwd=root, capture_output=True, text=True)
     assert applied.returncode == 0, applied.stdout + applied.stderr
+    return str(root)
+
+
+def test_patch_applies_and_selects_ftmem_natively(tmp_path, shm_dir):
+    patched_deepspeed(tmp_path)
     probe = textwrap.dedent(f"""
         import os, sys
         import deepspeed.ops
@@ -47,3 +57,28 @@ def test_patch_applies_and_selects_ftmem_natively(tmp_path, shm_dir):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "SELECTED FtmemCheckpointEngine TorchCheckpointEngine" in out.stdout
     assert "HOOKS True True True" in out.stdout
+
+
+def test_a_file_read_by_path_after_training_resumed_is_the_checkpoint_s_not_the_trained_state(shm_dir, tmp_path):
+    """On the patched DeepSpeed (the guard off: no hook of the import), a job resumes from
+    memory, trains a step and saves, then reads the checkpoint it resumed from by path.
+    A torch optimizer keeps the state tensors a load gives it and trains them in place, so
+    the read must come from memory again, not from what the load handed out. It equals,
+    bitwise, the default engine's file of the same step."""
+    config, stock = config_pair("zero0.json", shm_dir, ec={"k": 1, "m": 1})
+    patched = {**ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONPATH": patched_deepspeed(tmp_path / "ds")}
+    world, job, got = 2, job_id(), {}
+    read_back = ["--read-back", "torch-load-all", "--read-back-tag", "global_step3"]
+    assert stock_script(tmp_path, "reference", stock, STOCK_ENV, world, job_id(), 3,
+                        *read_back).wait(TIMEOUT) == [0] * world
+    assert stock_script(tmp_path, "ftmem", config, patched, world, job, 3).wait(TIMEOUT) == [0] * world
+    resumed = stock_script(tmp_path, "ftmem", config, patched, world, job, 4, *read_back)
+    assert resumed.wait(TIMEOUT) == [0] * world, resumed.log(0)[-5000:]
+    for rank in range(world):
+        assert f"rank {rank}: checkpoint engine FtmemCheckpointEngine" in resumed.log(rank)
+        assert logged(restored_from_memory(3, rank, "tag global_step3"), resumed.log(rank)), resumed.log(rank)[-3000:]
+        mine, theirs = (torch.load(str(tmp_path / name / f"rank{rank}.read-back.pt"), weights_only=True)
+                        for name in ("ftmem", "reference"))
+        assert any("exp_avg" in key for key in theirs)  # the optimizer's state is in the file, and compared
+        assert mine.keys() == theirs.keys()
+        assert [key for key in theirs if not torch.equal(mine[key], theirs[key])] == []
