@@ -182,6 +182,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if not is_stub(path):  # a checkpoint written by another engine: stock behaviour
             return torch.load(path, map_location=map_location, weights_only=False)
         self._start(os.path.dirname(os.path.dirname(path)))
+        self._refuse_another_job_s(path)
         state = self._restore(path)
         key = file_key(path)
         if state is not None and key in state["files"]:
@@ -221,9 +222,11 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if self._disk_dir is not None:
             return os.path.dirname(self._disk_dir), os.path.basename(self._disk_dir)
         latest = _read_latest(load_dir)
-        if latest and not any(is_stub(f) for f in glob.glob(os.path.join(load_dir, latest, "*"))):
+        stubs = [f for f in glob.glob(os.path.join(load_dir, latest, "*")) if is_stub(f)] if latest else []
+        if latest and not stubs:
             return load_dir, None  # files another engine wrote: DeepSpeed loads them as usual
         if latest:
+            self._refuse_another_job_s(stubs[0])
             raise NotRecoverableFromMemory(
                 f"{os.path.join(load_dir, 'latest')} names {latest}, an ftmem checkpoint that neither memory nor the "
                 f"persistent tier can give back ({self._memory_failed or 'memory holds no version of this job'}). "
@@ -253,6 +256,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         from the version its tag names: the restored one, or any other that memory holds.
         The file may be another rank's, so the first read of a version is a collective
         (every rank's files of it are gathered; see :func:`ftmem.everyone_joins`)."""
+        self._refuse_another_job_s(path)
         tag = _tag_of(path)
         if self._served is None or self._served[0] != tag:
             self._served = None  # one version's files at a time
@@ -356,6 +360,19 @@ class FtmemCheckpointEngine(CheckpointEngine):
                              f"tag {restored.state['tag']!r}: a later save of the same global step replaced it. Load "
                              f"tag {restored.state['tag']!r}, or a checkpoint on disk.")
         return restored
+
+    def _refuse_another_job_s(self, stub: str) -> None:
+        """Refuse a checkpoint whose stubs another job wrote (a relaunch at another world
+        size, or another FTMEM_JOB_ID, into the same save dir): this job's memory may hold a
+        version of the same number, which is not that checkpoint."""
+        ours, theirs = self.runtime.engine.identity.job, read_stub(stub)["job"]
+        if theirs != ours:
+            raise FtmemError(
+                f"{stub} is a stub of job {theirs}'s in-memory checkpoint, but this job is {ours}. A job's id derives "
+                f"from its save dir and its world layout (world size, ranks per node) unless FTMEM_JOB_ID or "
+                f"\"job_id\" sets it, so a relaunch at another size is another job, and ftmem restores from memory "
+                f"only onto the layout a checkpoint was saved with. Relaunch as it was saved, or write real files "
+                f"first (`ftmem export --job {theirs} --out DIR`) and load those.")
 
     def _resumed_from_memory(self, restored: Restored) -> dict:
         self._restored = restored.state

@@ -574,6 +574,33 @@ def test_a_checkpoint_memory_cannot_give_back_is_refused_not_replaced_by_a_fresh
     assert {node: after[node] for node in held} == held  # nothing freed
 
 
+def test_a_checkpoint_another_job_wrote_into_the_save_dir_is_refused_not_served_from_this_job_s_memory(shm_dir,
+                                                                                                       tmp_path):
+    """A job is killed after step 3. Another job (another id: as a relaunch at another
+    world size gets) then trains in the same save dir and writes its own stubs over the
+    same tags. The first job's restart holds its version 4 in memory, but global_step4 on
+    disk is now the other job's: it is refused, naming both jobs, never served from this
+    job's memory."""
+    world = 2
+    job = DSJob("zero1.json", world, shm_dir, str(tmp_path / "run"), ftmem={"ec": {"k": 1, "m": 1}})
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    other = DSJob("zero1.json", world, shm_dir, str(tmp_path / "other"), ftmem={"ec": {"k": 1, "m": 1}})
+    other.args[other.args.index("--save-dir") + 1] = job.save_dir
+    os.remove(os.path.join(job.save_dir, "latest"))  # the other job starts over on purpose
+    assert other.run() == [0] * world, other.log(0)[-5000:]
+    codes = job.run("--load")
+    assert all(code != 0 for code in codes), job.log(0)[-5000:]
+    stub = os.path.join(job.save_dir, f"global_step{STOP + 1}", "mp_rank_00_model_states.pt")
+    for rank in range(world):
+        assert (f"{stub} is a stub of job {other.job}'s in-memory checkpoint, but this job is {job.job}. A job's id "
+                f"derives from its save dir and its world layout") in job.log(rank), job.log(rank)[-5000:]
+        assert f"`ftmem export --job {other.job} --out DIR`" in job.log(rank)
+        assert "resuming at step" not in job.log(rank)
+    assert run_cli("clean", "--job", other.job, "--shm-dir", shm_dir).returncode == 0
+
+
 def test_a_flush_killed_midway_leaves_the_previous_checkpoint_the_newest(shm_dir, tmp_path):
     """Rank 0 dies after writing one file of version 4's flush: the disk still says
     version 2, whose directory is complete, and a restart that memory cannot serve
