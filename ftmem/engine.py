@@ -34,7 +34,7 @@ from .errors import FtmemError
 from .handle import SaveHandle
 from .identity import RankIdentity
 from .logs import rank_warning
-from .ownership import refuse_foreign_versions
+from .ownership import refuse_another_node_layout, refuse_foreign_versions
 from .parallel import ParallelLayout, destroy_groups, make_dp_groups
 from .persist import Flusher
 from .placement import ec_groups
@@ -114,6 +114,7 @@ class SnapshotEngine:
         #: a gloo group of the whole job, apart from the training groups (None on one rank)
         self.job_group = gloo
         self._dp_shard, self._column, self._finish_group = dp_shard, column, finish_group
+        refuse_another_node_layout(self.identity, gloo)
         node = self.identity.node
         self._smp = SmpClient(self.identity.node_dir, list(range(node * self.identity.ranks_per_node,
                                                                  (node + 1) * self.identity.ranks_per_node)))

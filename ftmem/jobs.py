@@ -46,12 +46,18 @@ def node_dirs(shm_dir: str, job: str) -> list[tuple[int, str]]:
     return sorted(nodes)
 
 
-def node_ranks(path: str) -> list[int]:
+def recorded_ranks(path: str) -> Optional[list[int]]:
+    """The ranks the node's SMP was started for (its node file); None where it cannot tell."""
     try:
         ranks = json.loads(read_private(os.path.join(path, NODE_FILE)))["ranks"]
     except (OSError, ValueError, KeyError, TypeError):  # missing, a link, or not what ftmem writes
-        return ranks_in(path)
-    return ranks if isinstance(ranks, list) and all(type(r) is int for r in ranks) else ranks_in(path)
+        return None
+    return ranks if isinstance(ranks, list) and all(type(r) is int for r in ranks) else None
+
+
+def node_ranks(path: str) -> list[int]:
+    recorded = recorded_ranks(path)
+    return ranks_in(path) if recorded is None else recorded
 
 
 def node_status(node: int, path: str) -> dict:

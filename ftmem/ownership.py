@@ -1,20 +1,28 @@
-"""Versions belong to the job that saved them.
+"""Versions belong to the job, and the node layout, that saved them.
 
 Every version an adapter saves records its job's origin (the save directory). A job whose id collides with another job's (the same FTMEM_JOB_ID or
 ``job_id`` by mistake) finds that job's versions under its id: it must neither restore
 them nor delete them with its first save, so it stops, naming both. Checked when the
 engine starts, before anything is read or written.
+
+A node directory is laid out for the ranks its node had (``node<i>`` holds ranks
+i*R .. i*R+R-1). A relaunch of the same job with another number of ranks per node would
+look for each rank's versions on another node, find some and miss others, and take the
+node's SMP for one serving other ranks: it stops before it starts the SMP, naming the
+change (:func:`refuse_another_node_layout`).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch.distributed as dist
 
-from .errors import CorruptShard, FtmemError
+from .errors import CorruptShard, FtmemError, LayoutMismatch
 from .identity import RankIdentity
+from .jobs import recorded_ranks
 from .restore import gather_objects
-from .slots import RankStore
+from .slots import RankStore, ranks_in
 
 
 class ForeignVersions(FtmemError):
@@ -46,3 +54,31 @@ def refuse_foreign_versions(store: RankStore, identity: RankIdentity, group: Opt
             f"job's ({identity.origin}). ftmem neither restores nor deletes them. Give this job its own id "
             f"(FTMEM_JOB_ID, the config's \"job_id\" or --ftmem-job-id), or, if that job is over, free its memory "
             f"with `ftmem clean --job {identity.job}`.")
+
+
+def node_layout_change(identity: RankIdentity) -> Optional[str]:
+    """How this rank's node directory was laid out for other ranks, in words; None if for
+    this node's ranks, or not there yet."""
+    path = identity.node_dir
+    if not os.path.isdir(path):
+        return None
+    rpn = identity.ranks_per_node
+    ours = list(range(identity.node * rpn, (identity.node + 1) * rpn))
+    recorded = recorded_ranks(path)
+    written = sorted(set(recorded or ()) | set(ranks_in(path)))
+    if (recorded is None or recorded == ours) and set(written) <= set(ours):
+        return None
+    return f"node {identity.node} ({path}) holds memory of ranks {written}, where this launch places ranks {ours}"
+
+
+def refuse_another_node_layout(identity: RankIdentity, group: Optional[dist.ProcessGroup]) -> None:
+    """Stop, on every rank alike, if any node directory was laid out for other ranks
+    (collective; before any rank starts its node's SMP)."""
+    found = next((f for f in gather_objects(node_layout_change(identity), group) if f), None)
+    if found:
+        raise LayoutMismatch(
+            f"job {identity.job}: {found} (ranks per node now {identity.ranks_per_node}, world size "
+            f"{identity.world_size}): the node layout changed since this job's memory was written. ftmem restores "
+            f"from memory only onto the node layout it saved with. Relaunch with that layout (ranks per node: the "
+            f"launcher's LOCAL_WORLD_SIZE, \"ranks_per_node\" or --ftmem-ranks-per-node), or, to load from disk "
+            f"instead, free the job's memory first: ftmem clean --job {identity.job} --shm-dir {identity.shm_dir}")

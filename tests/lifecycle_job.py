@@ -2,7 +2,7 @@
 rank saves a replicated tensor per step, protected, and ends the way ``--end`` says.
 
     python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close} [--persist DIR]
-        [--persist-interval N] [--destroys-group] [--load-version V]
+        [--persist-interval N] [--destroys-group] [--load-version V] [--ranks-per-node R]
 
 ``--end close`` closes the runtime itself, keeping the memory, before it returns. With
 ``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--destroys-group", action="store_true")
     p.add_argument("--load-version", type=int, default=None,
                    help="resume from this version, named (AdapterRuntime.restore_named), not the newest")
+    p.add_argument("--ranks-per-node", type=int, default=1, help="with all ranks on one node, no parity (m=0)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -70,7 +71,9 @@ def main() -> None:
 
 
 def train(args, world: int) -> None:
-    config = FtmemConfig.from_dict({"ranks_per_node": 1, "ec": {"k": 1, "m": 1}, "shm_dir": os.environ["SHM_DIR"]})
+    one_node = args.ranks_per_node == world
+    config = FtmemConfig.from_dict({"ranks_per_node": args.ranks_per_node, "ec": {"k": 1, "m": 0 if one_node else 1},
+                                    "shm_dir": os.environ["SHM_DIR"]})
     runtime = AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(), save_dir=args.out,
                              persist_dir=args.persist, persist_interval=args.persist_interval if args.persist else 0)
     # Where this rank reads the persistent tier's newest checkpoint: DISK_VIEW, a copy of

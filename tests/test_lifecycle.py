@@ -15,7 +15,9 @@ import pytest
 from conftest import job_id, logged
 from examples.launch import LocalJob, wait_until
 from ftmem import jobs, restored_from_memory
+from ftmem.identity import job_root
 from ftmem.persist import MANIFEST
+from ftmem.smp_client import running_smp, stop_smp
 
 TIMEOUT = 120
 
@@ -215,3 +217,26 @@ def test_a_job_that_loaded_an_older_version_by_name_keeps_the_newer_ones_at_its_
     again = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job)
     assert again.wait(TIMEOUT) == [0, 0], again.log(0)
     assert logged(restored_from_memory(3, 0), again.log(0))
+
+
+@pytest.mark.parametrize("smps", ["alive", "stopped"])
+def test_a_relaunch_with_another_number_of_ranks_per_node_is_refused_naming_the_change(smps, shm_dir, tmp_path):
+    """Two ranks on two nodes save and exit; the job comes back with both ranks on one
+    node. Rank 1's versions are in node 1's directory, and node 0's SMP serves rank 0 only:
+    every rank stops before it starts an SMP, naming the change and what to do (not an SMP's
+    refusal of rank 1, nor a parity problem), and memory is kept as it was."""
+    job = job_id()
+    ended = run(shm_dir, tmp_path, "--steps", "3", "--end", "exit1", job=job)
+    assert ended.wait(TIMEOUT) == [1, 1], ended.log(0)
+    if smps == "stopped":
+        for _, path in jobs.node_dirs(shm_dir, job):
+            stop_smp(running_smp(path))
+    back = run(shm_dir, tmp_path / "back", "--steps", "4", "--ranks-per-node", "2", job=job)
+    assert back.wait(TIMEOUT) == [1, 1], back.log(0)
+    node0 = os.path.join(job_root(shm_dir, job), "node0")
+    for rank in range(2):
+        assert (f"LayoutMismatch: job {job}: node 0 ({node0}) holds memory of ranks [0], where this launch places "
+                f"ranks [0, 1] (ranks per node now 2, world size 2): the node layout changed") in back.log(rank), \
+            back.log(rank)[-3000:]
+        assert f"free the job's memory first: ftmem clean --job {job} --shm-dir {shm_dir}" in back.log(rank)
+    assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}
