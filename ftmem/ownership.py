@@ -5,6 +5,12 @@ Every version an adapter saves records its job's origin (the save directory). A 
 them nor delete them with its first save, so it stops, naming both. Checked when the
 engine starts, before anything is read or written.
 
+The other way round, a relaunch at another world size (or ranks per node) derives another
+job id from the same save dir, unless FTMEM_JOB_ID or ``job_id`` fixes it, and finds
+nothing under it. Loading an older disk checkpoint, or starting from scratch, would then
+silently drop what the first job holds: where this job holds nothing, the restore names
+the versions other jobs saved from its origin (:func:`versions_of_other_jobs`).
+
 A node directory is laid out for the ranks its node had (``node<i>`` holds ranks
 i*R .. i*R+R-1). A relaunch of the same job with another number of ranks per node would
 look for each rank's versions on another node, find some and miss others, and take the
@@ -20,7 +26,7 @@ import torch.distributed as dist
 
 from .errors import CorruptShard, FtmemError, LayoutMismatch
 from .identity import RankIdentity
-from .jobs import recorded_ranks
+from .jobs import list_jobs, node_dirs, recorded_ranks
 from .restore import gather_objects
 from .slots import RankStore, ranks_in
 
@@ -82,3 +88,31 @@ def refuse_another_node_layout(identity: RankIdentity, group: Optional[dist.Proc
             f"from memory only onto the node layout it saved with. Relaunch with that layout (ranks per node: the "
             f"launcher's LOCAL_WORLD_SIZE, \"ranks_per_node\" or --ftmem-ranks-per-node), or, to load from disk "
             f"instead, free the job's memory first: ftmem clean --job {identity.job} --shm-dir {identity.shm_dir}")
+
+
+def versions_of_other_jobs(identity: RankIdentity) -> Optional[str]:
+    """The versions that jobs under other ids saved from this job's origin, as far as this
+    rank's shared memory shows them, in words; None if there are none (or no origin)."""
+    if identity.origin is None:
+        return None
+    found: dict[str, set[int]] = {}
+    for job in list_jobs(identity.shm_dir):
+        if job == identity.job:
+            continue
+        try:
+            stores = [RankStore(path, r) for _, path in node_dirs(identity.shm_dir, job) for r in ranks_in(path)]
+            for store in stores:
+                for version in store.committed():
+                    if store.read_commit(version).origin == identity.origin:
+                        found.setdefault(job, set()).add(version)
+        except (FtmemError, OSError):
+            continue  # not this user's to read, or going away (ftmem clean): no version of ours
+    if not found:
+        return None
+    held = "; ".join(f"job {job}: versions {sorted(vs)}" for job, vs in sorted(found.items()))
+    jobs = " ".join(sorted(found))
+    return (f"this job ({identity.job}) holds no version in memory, but other jobs saved from its origin "
+            f"({identity.origin}) hold some ({held}). A relaunch at another world size or ranks per node derives "
+            f"another job id unless FTMEM_JOB_ID or \"job_id\" sets it, and ftmem restores from memory only onto "
+            f"the layout a checkpoint was saved with. Relaunch as those versions were saved; or, to load from disk "
+            f"(or start over) at this layout, free them first: ftmem clean --job {jobs} --shm-dir {identity.shm_dir}.")

@@ -36,6 +36,7 @@ from .errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from .format import FrameworkFormat
 from .handle import SaveHandle
 from .logs import announce, job_info, restored_from_disk, restored_from_memory
+from .ownership import versions_of_other_jobs
 from .parallel import ParallelLayout
 from .identity import check_node_layout
 from .persist import Flusher, check_writable
@@ -136,7 +137,9 @@ class AdapterRuntime:
         None if there is none) is newer; else disk, which every rank must see alike; else
         scratch. A version saved under another layout, or needing parity of another EC
         geometry, is refused with the reason (memory left as it is, for a restart with the
-        right configuration), or skipped for the disk when ``allow_disk_fallback``."""
+        right configuration), or skipped for the disk when ``allow_disk_fallback``. So are the
+        versions that jobs under other ids saved from this job's save dir, when this job holds
+        none (a relaunch at another world size derives another id)."""
         seen = self.gather(disk_version)
         newest_on_disk = max((v for v in seen if v is not None), default=None)
         try:
@@ -146,6 +149,10 @@ class AdapterRuntime:
         except NotRecoverableFromMemory as e:
             return self._without_memory(str(e), _seen_alike(seen))
         if restored is None:
+            others = self.agree(versions_of_other_jobs(self.engine.identity))
+            if others is not None:
+                return self.refuse_memory(others, _seen_alike(seen) if self.config.allow_disk_fallback
+                                          else newest_on_disk)
             return self._without_memory("memory holds no version of this job" if newest_on_disk is not None else None,
                                         _seen_alike(seen))
         if newest_on_disk is not None and restored.version < newest_on_disk:

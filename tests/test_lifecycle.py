@@ -240,3 +240,24 @@ def test_a_relaunch_with_another_number_of_ranks_per_node_is_refused_naming_the_
             back.log(rank)[-3000:]
         assert f"free the job's memory first: ftmem clean --job {job} --shm-dir {shm_dir}" in back.log(rank)
     assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}
+
+
+def test_a_relaunch_under_a_derived_id_of_another_layout_names_the_versions_the_first_layout_holds(shm_dir, tmp_path):
+    """Without FTMEM_JOB_ID the job id derives from the save dir and the world layout. A
+    relaunch with another layout is another job, which holds nothing: it used to start from
+    scratch (or an older disk checkpoint) and leave the first job's versions behind. It is
+    refused on every rank, naming those versions and how to go on; memory is kept."""
+    derived = {"FTMEM_JOB_ID": ""}
+    ended = run(shm_dir, tmp_path, "--steps", "3", "--end", "exit1", env=derived)
+    assert ended.wait(TIMEOUT) == [1, 1], ended.log(0)
+    [first] = jobs.list_jobs(shm_dir)
+    before = [len(ended.log(rank)) for rank in range(2)]
+    back = run(shm_dir, tmp_path, "--steps", "4", "--ranks-per-node", "2", env=derived)  # the same save dir
+    assert back.wait(TIMEOUT) == [1, 1], back.log(0)
+    for rank in range(2):
+        log = back.log(rank)[before[rank]:]
+        assert (f"holds no version in memory, but other jobs saved from its origin (save dir "
+                f"{os.path.realpath(tmp_path)}) hold some (job {first}: versions [2, 3])") in log, log[-3000:]
+        assert f"free them first: ftmem clean --job {first} --shm-dir {shm_dir}." in log
+        assert "resumes at step" not in log
+    assert held(shm_dir, first) == {0: [2, 3], 1: [2, 3]}  # the relaunch's own job holds nothing
