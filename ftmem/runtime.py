@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import os
 import sys
 import weakref
@@ -78,6 +79,7 @@ class AdapterRuntime:
                                              world_size=self.engine.identity.world_size))
         self._crashed = self._finished = False
         self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (restore_named)
+        self._made = next(_made)
         _close_at_exit(self)
 
     @property
@@ -301,6 +303,9 @@ def check_startup(config: FtmemConfig, rank: int, world_size: int) -> None:
 
 # Runtimes of this process not yet finished, for the end of torch.distributed (below).
 _unfinished: "weakref.WeakSet[AdapterRuntime]" = weakref.WeakSet()
+# The order this process made its runtimes in. Construction is collective, so it is the same
+# on every rank; ends are collective too, and must run in it (a set's order is the process's own).
+_made = itertools.count()
 
 
 def _close_at_exit(runtime: AdapterRuntime) -> None:
@@ -335,7 +340,7 @@ def _finish_before_the_process_group_ends() -> None:
             if group is None or group is dist.GroupMember.WORLD:
                 failure = sys.exc_info()[1]
                 crashed = failure is not None and not (isinstance(failure, SystemExit) and failure.code in (0, None))
-                for runtime in list(_unfinished):
+                for runtime in sorted(_unfinished, key=lambda r: r._made):
                     runtime._crashed = runtime._crashed or crashed
                     runtime.finish()
         finally:

@@ -2,11 +2,13 @@
 rank saves a replicated tensor per step, protected, and ends the way ``--end`` says.
 
     python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close} [--persist DIR]
-        [--persist-interval N] [--destroys-group] [--load-version V] [--ranks-per-node R]
+        [--persist-interval N] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
 
 ``--end close`` closes the runtime itself, keeping the memory, before it returns. With
 ``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
-PyTorch asks scripts to; else an exit hook does it after ftmem's end.
+PyTorch asks scripts to; else an exit hook does it after ftmem's end. ``--runtimes N``
+runs N jobs side by side in each process (as a script with several DeepSpeed engines
+does), the others saving into subdirectories of ``--out``; their ids derive from those.
 """
 import argparse
 import atexit
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--load-version", type=int, default=None,
                    help="resume from this version, named (AdapterRuntime.restore_named), not the newest")
     p.add_argument("--ranks-per-node", type=int, default=1, help="with all ranks on one node, no parity (m=0)")
+    p.add_argument("--runtimes", type=int, default=1)
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -76,6 +79,8 @@ def train(args, world: int) -> None:
                                     "shm_dir": os.environ["SHM_DIR"]})
     runtime = AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(), save_dir=args.out,
                              persist_dir=args.persist, persist_interval=args.persist_interval if args.persist else 0)
+    others = [AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(),
+                             save_dir=os.path.join(args.out, f"runtime{i}")) for i in range(1, args.runtimes)]
     # Where this rank reads the persistent tier's newest checkpoint: DISK_VIEW, a copy of
     # it as a node whose file system cache is behind sees it, else the tier itself.
     view = os.environ.get("DISK_VIEW", args.persist)
@@ -91,8 +96,9 @@ def train(args, world: int) -> None:
     print(f"rank {dist.get_rank()}: resumes at step {start} ({resumption.source})", flush=True)
     for step in range(start, args.steps + 1):
         w = torch.full((1000,), float(step))  # the same on every rank: each snapshots half (DP sharding)
-        runtime.save({"w": w}, step, replicated=lambda t: t is w)
-        runtime.wait_flushed()  # every version protected, and each interval-th on disk with --persist
+        for each in [runtime, *others]:
+            each.save({"w": w}, step, replicated=lambda t: t is w)
+            each.wait_flushed()  # every version protected, and each interval-th on disk with --persist
     print(f"rank {dist.get_rank()}: trained to step {args.steps}", flush=True)
     if args.end == "exit1":
         sys.exit(1)

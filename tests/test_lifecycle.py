@@ -261,3 +261,20 @@ def test_a_relaunch_under_a_derived_id_of_another_layout_names_the_versions_the_
         assert f"free them first: ftmem clean --job {first} --shm-dir {shm_dir}." in log
         assert "resumes at step" not in log
     assert held(shm_dir, first) == {0: [2, 3], 1: [2, 3]}  # the relaunch's own job holds nothing
+
+
+def test_several_runtimes_of_a_process_end_in_the_order_they_were_made_on_every_rank(shm_dir, tmp_path):
+    """Three jobs side by side in each process (a script with several DeepSpeed engines),
+    ended by the script's destroy_process_group. Each end is a collective vote of its
+    job: the ranks must end their runtimes in one order, or each vote waits for ranks
+    voting in another job's until the finish timeout, and the job keeps its memory as one
+    that did not end cleanly. Here every job ends cleanly (keeping its newest version, as
+    it has no persistent tier) on every rank."""
+    ended = run(shm_dir, tmp_path, "--steps", "2", "--runtimes", "3", "--destroys-group",
+                env={"FTMEM_JOB_ID": "", "FTMEM_FINISH_TIMEOUT_S": "20"})
+    assert ended.wait(TIMEOUT) == [0, 0], ended.log(0)[-3000:]
+    assert len(jobs.list_jobs(shm_dir)) == 3
+    for job in jobs.list_jobs(shm_dir):
+        assert (f"job {job} keeps its newest version (2) in shared memory (no persistent tier is configured, so it "
+                f"is not on disk)") in ended.log(0), ended.log(0)[-3000:]
+    assert "did not end cleanly" not in ended.log(0) + ended.log(1)
