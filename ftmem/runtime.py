@@ -79,7 +79,6 @@ class AdapterRuntime:
                                              world_size=self.engine.identity.world_size))
         self._crashed = self._finished = False
         self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (restore_named)
-        self._made = next(_made)
         _close_at_exit(self)
 
     @property
@@ -137,24 +136,22 @@ class AdapterRuntime:
         """Decide where to resume (collective): the newest version memory can recover for
         every rank, unless the newest disk checkpoint (``disk_version``: this rank's view,
         None if there is none) is newer; else disk, which every rank must see alike; else
-        scratch. A version saved under another layout, or needing parity of another EC
-        geometry, is refused with the reason (memory left as it is, for a restart with the
-        right configuration), or skipped for the disk when ``allow_disk_fallback``. So are the
-        versions that jobs under other ids saved from this job's save dir, when this job holds
-        none (a relaunch at another world size derives another id)."""
+        scratch. A version saved under another layout or EC geometry, and versions other job
+        ids saved from this save dir while this job holds none (a relaunch at another size
+        derives another id), are refused with the reason (memory left as it is), or skipped
+        for the disk when ``allow_disk_fallback``."""
         seen = self.gather(disk_version)
         newest_on_disk = max((v for v in seen if v is not None), default=None)
         try:
             restored = self.engine.restore()
+            others = None if restored else self.agree(versions_of_other_jobs(self.engine.identity))
+            if others is not None:
+                raise LayoutMismatch(others)
         except LayoutMismatch as e:  # EcGeometryMismatch included; the disk matters only if it may be loaded
             return self.refuse_memory(str(e), _seen_alike(seen) if self.config.allow_disk_fallback else newest_on_disk)
         except NotRecoverableFromMemory as e:
             return self._without_memory(str(e), _seen_alike(seen))
         if restored is None:
-            others = self.agree(versions_of_other_jobs(self.engine.identity))
-            if others is not None:
-                return self.refuse_memory(others, _seen_alike(seen) if self.config.allow_disk_fallback
-                                          else newest_on_disk)
             return self._without_memory("memory holds no version of this job" if newest_on_disk is not None else None,
                                         _seen_alike(seen))
         if newest_on_disk is not None and restored.version < newest_on_disk:
@@ -320,6 +317,7 @@ def _close_at_exit(runtime: AdapterRuntime) -> None:
 
     sys.excepthook = note_crash
     atexit.register(runtime.finish)
+    runtime._made = next(_made)
     _unfinished.add(runtime)
     _finish_before_the_process_group_ends()
 
