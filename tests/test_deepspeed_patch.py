@@ -10,6 +10,7 @@ import deepspeed
 import torch
 
 from conftest import job_id, logged
+from examples.launch import free_port
 from ftmem import restored_from_memory
 from test_deepspeed import ENV, STOCK_ENV, TIMEOUT, config_pair, stock_script
 
@@ -52,7 +53,7 @@ def test_patch_applies_and_selects_ftmem_natively(tmp_path, shm_dir):
               "wait_reusable" in inspect.getsource(DeepSpeedEngine._take_model_step))
     """)
     env = dict(os.environ, PYTHONPATH=str(tmp_path), DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+               LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "SELECTED FtmemCheckpointEngine TorchCheckpointEngine" in out.stdout
