@@ -45,8 +45,8 @@ $(VENV_GPU)/.installed: Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV_GPU)
 	$(PYTHON) -c "import site; print('\n'.join(site.getsitepackages()))" \
 		> "$$($(PY_GPU) -c 'import site; print(site.getsitepackages()[0])')/ftmem-gpu-base.pth"
-	$(PY_GPU) -c "import torch, numpy, xxhash, pytest, pytest_timeout; assert torch.cuda.is_available()" || \
-		$(PY_GPU) -m pip install --quiet $(GPU_PIP_SOURCE) torch numpy xxhash pytest pytest-timeout
+	$(PY_GPU) -c "import torch, numpy, xxhash, pyeclib, pytest, pytest_timeout; assert torch.cuda.is_available()" || \
+		$(PY_GPU) -m pip install --quiet $(GPU_PIP_SOURCE) torch numpy xxhash "pyeclib>=1.6" pytest pytest-timeout
 	$(PY_GPU) -c "import deepspeed, megatron.core" 2>/dev/null || DS_BUILD_OPS=0 $(PY_GPU) -m pip install --quiet \
 		--no-build-isolation $(GPU_PIP_SOURCE) "$(DEEPSPEED_PIN)" "$(MEGATRON_PIN)"
 	touch $@

@@ -137,6 +137,8 @@ BENCHES = {
                 "--ckpt-format torch",
     "deepspeed": "save_checkpoint and load_checkpoint of a DeepSpeed ZeRO-1 GPT (2 ranks) vs DeepSpeed's "
                  "default engine, and the iteration time with a save every step",
+    "overhead": "the iteration time of a megatron-core GPT (about 1.1B parameters, bf16, one GPU) with an in-memory "
+                "save after every iteration, against no saves and a torch save after every iteration",
     "soak": "a save every iteration for --iters iterations on 3 ranks and nodes: growth of RSS, threads, fds, "
             "sockets and shared memory; the job's memory freed at the end",
 }

@@ -51,11 +51,12 @@ class DSJob:
         return LocalJob.read_log(self.out, rank)
 
 
-def reference(config, world, root, env=None):
+def reference(config, world, root, env=None, extra=()):
     """An uninterrupted run without ftmem (DeepSpeed's default engine saving every
-    step); the folder of its per-step losses and final weights."""
+    step), with the trainer's flags ``extra``; the folder of its per-step losses and
+    final weights."""
     job = DSJob(config, world, None, root, stock=True, env=env)
-    assert job.run() == [0] * world, job.log(0)[-5000:]
+    assert job.run(*extra) == [0] * world, job.log(0)[-5000:]
     for rank in range(world):
         assert "checkpoint engine TorchCheckpointEngine" in job.log(rank), job.log(rank)[-3000:]
         assert f"rank {rank}: ftmem modules loaded: none" in job.log(rank), job.log(rank)[-3000:]

@@ -172,18 +172,53 @@ def test_deepspeed_on_the_gpu_resumes_bitwise_after_a_crash(config, shm_dir, tmp
     assert_same_training(job.out, ref, 1, ITERS)
 
 
-def test_megatron_core_on_the_gpu_resumes_bitwise_after_a_crash(shm_dir, tmp_path):
+@pytest.mark.parametrize("config", ["zero1.json", "zero3.json"])
+def test_deepspeed_ranks_sharing_the_gpu_resume_bitwise_after_losing_a_node(config, shm_dir, tmp_path):
+    """Three ranks on the one GPU, each a virtual node (k=2 m=1), over gloo: NCCL refuses
+    two ranks on one device, and gloo reduces CUDA tensors. SIGKILLed after step 3's
+    snapshot, a node's shared memory lost, relaunched: every rank resumes from memory
+    (the lost node's rebuilt), and losses and final weights equal, bitwise, the same
+    script's uninterrupted run on DeepSpeed's default engine, on the same GPU and backend."""
+    pytest.importorskip("deepspeed")
+    from conftest import logged
+    from test_deepspeed import ITERS, STOP, TIMEOUT, DSJob, reference
+    from trainjob import assert_same_training
+
+    from ftmem import restored_from_memory
+
+    world, lost = 3, 1
+    # Every rank on cuda:0: DeepSpeed takes the device from LOCAL_RANK.
+    env = {"DS_ACCELERATOR": "cuda", "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"),
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    gloo = ("--dist-backend", "gloo")
+    ref = reference(config, world, str(tmp_path / "reference"), env, extra=gloo)
+    job = DSJob(config, world, shm_dir, str(tmp_path / "run"), env=env)
+    with job.start(*gloo, "--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    jobs.lose_node(shm_dir, job.job, lost)
+    assert job.run(*gloo, "--load") == [0] * world, job.log(0)[-5000:]
+    for rank in range(world):
+        assert "checkpoint engine FtmemCheckpointEngine, device cuda:0, backend gloo" in job.log(rank)
+        assert logged(restored_from_memory(STOP + 1, rank, f"tag global_step{STOP + 1}", rebuilt=rank == lost),
+                      job.log(rank)), job.log(rank)[-3000:]
+    assert_same_training(job.out, ref, world, ITERS)
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_megatron_core_on_the_gpu_resumes_bitwise_after_a_crash(precision, shm_dir, tmp_path):
     """One rank on the GPU (NCCL, TP 1), the megatron-core driver without cpu_compat, an
     in-memory save every iteration: SIGKILLed after iteration 3's snapshot, relaunched
     with the same command, it restores from memory, and its losses and final parameters
-    and optimizer state equal, bitwise, an uninterrupted run without ftmem."""
+    and optimizer state equal, bitwise, an uninterrupted run without ftmem. In fp32, and
+    in bf16 with fp32 main parameters (megatron-core's mixed-precision optimizer)."""
     pytest.importorskip("megatron.core")
     from conftest import logged
     from test_megatron import ITERS, STOP, TIMEOUT, MegatronJob, read_out, reference
 
     from ftmem import restored_from_memory
 
-    parallel = ["--tensor-model-parallel-size", "1"]
+    parallel = ["--tensor-model-parallel-size", "1", *precision]
     ref = reference(1, parallel, str(tmp_path / "reference"))
     job = MegatronJob(1, parallel, ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m", "0"],
                       shm_dir, str(tmp_path / "run"))
@@ -191,6 +226,7 @@ def test_megatron_core_on_the_gpu_resumes_bitwise_after_a_crash(shm_dir, tmp_pat
         run.wait_for(lambda: "stopped after" in run.log(0), TIMEOUT, f"iteration {STOP}")
         run.kill_all()
     assert "starting at iteration 0, on CUDA" in job.log(0), job.log(0)[-3000:]
+    assert f"{'bf16' if precision else 'fp32'} parameters, starting at iteration 0" in job.log(0)
     job.run(str(tmp_path / "resumed.json"))
     assert logged(restored_from_memory(STOP, 0), job.log(0)), job.log(0)[-3000:]
     resumed = read_out(str(tmp_path / "resumed.json"))

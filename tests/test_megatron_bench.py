@@ -30,3 +30,28 @@ def test_megatron_bench_ends_with_a_result_line(command, shm_dir):
     assert abs(result["cycle_cost_s"] - (result["cycle_s"] - result["step_s"])) < 1e-6 + 1e-3 * result["cycle_s"]
     assert "target >= 20x" in out.stdout and "(target <= 1.05x); written from memory" in out.stdout
     assert jobs.list_jobs(shm_dir) == []  # the benchmark's job freed its shared memory
+
+
+OVERHEAD_KEYS = {"params", "checkpoint_gb", "step_s", "ftmem_cycle_s", "torch_cycle_s", "ftmem_overhead_pct",
+                 "torch_overhead_pct", "ftmem_save_call_s", "torch_save_call_s"}
+
+
+def test_the_overhead_bench_ends_with_a_result_line(shm_dir):
+    """``ftmem bench overhead --tiny`` (the 1.1B-parameter bf16 default needs a GPU): each
+    kind's blocks ran, and the overheads are those of the printed per-iteration times."""
+    out = subprocess.run([sys.executable, "-m", "ftmem.cli", "bench", "overhead", "--tiny", "--rounds", "2",
+                          "--shm-dir", shm_dir], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("RESULT ") and sum(ln.startswith("RESULT") for ln in lines) == 1
+    result = {k: float(v) for k, v in (kv.split("=") for kv in lines[-1].split()[1:])}
+    assert result.keys() == OVERHEAD_KEYS
+    assert all(result[k] > 0 for k in OVERHEAD_KEYS if not k.endswith("_pct")), result
+    for kind in ("ftmem", "torch"):
+        expected = 100 * (result[f"{kind}_cycle_s"] / result["step_s"] - 1)
+        assert abs(result[f"{kind}_overhead_pct"] - expected) < 1e-3 * abs(expected) + 1e-3
+    for kind in ("nosave", "ftmem", "torch"):
+        assert sum(ln.startswith(f"  {kind:7s} s per iteration: ") and len(ln.split(": ")[1].split()) == 2
+                   for ln in lines) == 1, out.stdout
+    assert "nothing is drained outside it" in out.stdout and "a checkpoint is" in out.stdout
+    assert jobs.list_jobs(shm_dir) == []  # the benchmark's job freed its shared memory

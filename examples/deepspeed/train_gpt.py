@@ -65,6 +65,9 @@ def parse_args(argv=None):
                    help="ftmem (default): import ftmem_deepspeed and save with the engine the config selects; "
                         "default: DeepSpeed's stock engine, no ftmem (the config's \"checkpoint\" engine and "
                         "\"ftmem\" section dropped)")
+    p.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
+                   help="torch.distributed backend (default: nccl with CUDA, gloo without); gloo lets several ranks "
+                        "share one GPU")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = p.parse_args(argv)
     if args.checkpoint_engine == "default" and args.ftmem:
@@ -114,7 +117,7 @@ def main(argv=None) -> None:
     config = load_config(args)
     cfg = GPTConfig(hidden=args.hidden, layers=args.layers, seq_len=args.seq_len, dropout=args.dropout,
                     batch_norm=args.batch_norm)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend=args.dist_backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     pipeline = config.get("pipeline") or {}
     stages, model_parallel = pipeline.get("stages", 1), pipeline.get("model_parallel", 1)
     if stages > 1 or model_parallel > 1:
@@ -130,7 +133,8 @@ def main(argv=None) -> None:
     zero_stage = engine.zero_optimization_stage()
     rank = torch.distributed.get_rank()
     print(f"rank {rank}: ZeRO stage {zero_stage}, optimizer {type(engine.optimizer).__name__}, "
-          f"checkpoint engine {type(engine.checkpoint_engine).__name__}", flush=True)
+          f"checkpoint engine {type(engine.checkpoint_engine).__name__}, device {engine.device}, "
+          f"backend {torch.distributed.get_backend()}", flush=True)
     if args.checkpoint_engine == "default":
         loaded = sorted(m for m in sys.modules if m.split(".")[0].startswith("ftmem"))
         print(f"rank {rank}: ftmem modules loaded: {', '.join(loaded) or 'none'}", flush=True)

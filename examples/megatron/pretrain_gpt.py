@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--mock-data", action="store_true", help="synthetic data (the only data this driver has)")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and compute, fp32 main parameters and gradient reduction (as Megatron-LM's "
+                        "--bf16)")
     g = p.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -123,6 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.non_persistent_ckpt_type not in (None, IN_MEMORY):
         p.error(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type} is not supported by this driver; "
                 f"it implements {IN_MEMORY} (through ftmem)")
+    if args.bf16 and not torch.cuda.is_available():
+        p.error("--bf16 needs CUDA: megatron-core's mixed-precision optimizer wraps CUDA tensors only; "
+                "run in fp32 (without --bf16) on the CPU")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
     if args.lr_decay_iters is None:
@@ -170,13 +176,14 @@ def transformer_config(args):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
         use_cpu_initialization=on_cpu,
         # The batched p2p path calls torch.cuda.synchronize() after each exchange.
         batch_p2p_comm=not on_cpu)
@@ -189,6 +196,7 @@ def build_model(args, config) -> list:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
 
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                    vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings,
@@ -197,7 +205,13 @@ def build_model(args, config) -> list:
                    post_process=parallel_state.is_pipeline_last_stage())
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer)
+    if args.bf16:
+        # As Megatron-LM's get_model: the wrapper casts the first stage's input to bf16 and
+        # the last stage's output back to fp32.
+        gpt = Float16Module(config, gpt)
+    # As Megatron-LM with --bf16: gradients accumulate and reduce in fp32.
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
+                                               grad_reduce_in_fp32=args.bf16)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)]
 
 
@@ -212,7 +226,8 @@ def build_optimizer(args, model, config):
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                        clip_grad=args.clip_grad, params_dtype=torch.float32,
+                        clip_grad=args.clip_grad, bf16=args.bf16,
+                        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                         use_distributed_optimizer=args.use_distributed_optimizer),
         model)
     scheduler = OptimizerParamScheduler(
@@ -453,6 +468,7 @@ def main(argv=None) -> None:
         print(f"pretrain_gpt: world {args.world_size} = TP {args.tensor_model_parallel_size} x "
               f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}, "
               f"{args.num_microbatches} micro-batches per iteration, optimizer {type(optimizer).__name__}, "
+              f"{'bf16' if args.bf16 else 'fp32'} parameters, "
               f"starting at iteration {iteration}, on "
               f"{'CUDA' if torch.cuda.is_available() else 'the CPU (cpu_compat enabled)'}", flush=True)
     losses = train(args, model, optimizer, opt_param_scheduler, iteration, flops_so_far)
