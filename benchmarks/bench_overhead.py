@@ -89,6 +89,7 @@ def worker(argv=None) -> None:
 
     iteration = 0
     save_calls = {"ftmem": [], "torch": []}  # what each save call blocked, past the warm-up round
+    handles = []  # of the counted ftmem saves: how long each one's copy and commit took
 
     def block(kind: str, iterations: int, counted: bool) -> float:
         """Seconds per iteration of a block of ``iterations`` of ``kind``."""
@@ -102,7 +103,9 @@ def worker(argv=None) -> None:
                 continue
             called = time.perf_counter()
             if kind == "ftmem":
-                checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, 0.0, args)
+                handle = checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, 0.0, args)
+                if counted:
+                    handles.append(handle)
             else:
                 torch_checkpoint.save_checkpoint(iteration, model, optimizer, scheduler, 0.0, torch_args)
             if counted:
@@ -129,7 +132,8 @@ def worker(argv=None) -> None:
     checkpointing.close(job_finished=True)
     params = sum(p.numel() for chunk in model for p in chunk.module.parameters())
     report_figures({"params": params, "checkpoint_bytes": checkpoint_bytes, "per_iteration_s": per_iteration,
-                    "save_calls_s": save_calls, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                    "save_calls_s": save_calls,
+                    "copies_s": [h.copy_s for h in handles], "commits_s": [h.commit_s for h in handles], "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                     else "CPU", "bf16": args.bf16})
     torch.distributed.destroy_process_group()
 
@@ -154,6 +158,8 @@ def bench_overhead(shape: dict = MODEL, bf16: bool = True, rounds: int = 3, bloc
             result.update({f"{kind}_cycle_s": median[kind],
                            f"{kind}_overhead_pct": 100 * (median[kind] / median["nosave"] - 1),
                            f"{kind}_save_call_s": statistics.median(f["save_calls_s"][kind])})
+    if "ftmem" in median:
+        result.update(ftmem_copy_s=statistics.median(f["copies_s"]), ftmem_commit_s=statistics.median(f["commits_s"]))
     if "torch" in median:
         result["checkpoint_gb"] = f["checkpoint_bytes"] / 1e9
     print(f"megatron-core GPT of {f['params'] / 1e6:.1f}M parameters ({shape}), {'bf16' if f['bf16'] else 'fp32'}, "
@@ -167,6 +173,8 @@ def bench_overhead(shape: dict = MODEL, bf16: bool = True, rounds: int = 3, bloc
               f"target <= {TARGET_PCT:.0f}%: {'met' if result['ftmem_overhead_pct'] <= TARGET_PCT else 'NOT met'}); "
               f"the call blocks {result['ftmem_save_call_s']:.4f} s (median); each block ends when its last "
               f"snapshot is committed, inside the timer: nothing is drained outside it")
+        print(f"  each ftmem save, in the background: the copy {result['ftmem_copy_s']:.4f} s, then checksum and "
+              f"commit {result['ftmem_commit_s']:.4f} s (medians)")
     if "torch" in median:
         print(f"  a torch save after each {result['torch_cycle_s']:.4f} s ({result['torch_overhead_pct']:+.1f}%); the "
               f"call blocks {result['torch_save_call_s']:.3f} s (median); a checkpoint is "

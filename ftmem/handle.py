@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Optional
 
 
@@ -14,6 +15,10 @@ class SaveHandle:
     * ``wait_committed()``: every rank of the job has committed the version. Until
       then no rank overwrites its older version, so that a crash at any moment
       leaves one version that all ranks hold.
+
+    ``copy_s`` and ``commit_s`` say how long each part took (None until it is done):
+    from the start of the copy to reusable, and from reusable to committed (checksum,
+    commit marker, parity, agreement).
     """
 
     def __init__(self, version: int):
@@ -21,6 +26,9 @@ class SaveHandle:
         self._reusable = threading.Event()
         self._committed = threading.Event()
         self._error: Optional[BaseException] = None
+        self._started = time.monotonic()
+        self.copy_s: Optional[float] = None
+        self.commit_s: Optional[float] = None
 
     def reusable(self) -> bool:
         return self._reusable.is_set()
@@ -42,9 +50,11 @@ class SaveHandle:
 
     # -- set by the engine's copy thread ---------------------------------------
     def _set_reusable(self) -> None:
+        self.copy_s = time.monotonic() - self._started
         self._reusable.set()
 
     def _set_committed(self) -> None:
+        self.commit_s = time.monotonic() - self._started - self.copy_s
         self._committed.set()
 
     def _fail(self, error: BaseException) -> None:

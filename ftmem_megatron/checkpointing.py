@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, ConfigError, LayoutMismatch, NotRecoverableFromMemory, ParallelLayout,
-                   Resumption, gather_dp_groups, rank_info)
+                   Resumption, SaveHandle, gather_dp_groups, rank_info)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
@@ -147,7 +147,7 @@ class MegatronCheckpointer:
         self._memory_failed: Optional[str] = None  # why memory did not serve the last load, for the disk line
 
     def save(self, iteration: int, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-             args, persistent: bool) -> None:
+             args, persistent: bool) -> SaveHandle:
         if persistent and not flushes_from_memory(args):
             raise ConfigError("ftmem writes persistent checkpoints only with --ckpt-format torch and without "
                                  "the distributed optimizer; Megatron's own save_checkpoint writes the others.")
@@ -171,9 +171,10 @@ class MegatronCheckpointer:
             # After "sharded": its tensors are the same ones, stored once, with the flags above.
             "torch_format": torch_format(unwrap_model(model), optimizer, args, persistent),
         }
-        self.runtime.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent)
+        handle = self.runtime.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent)
         if any(getattr(args, name, False) for name in WRITES_BEFORE_STEP):
             self.runtime.wait_reusable()
+        return handle
 
     def _describe(self, data, shared: list, replicas: int) -> None:
         """One line at the first save: what this rank snapshots and how much of it is
@@ -265,11 +266,12 @@ def _for(args) -> MegatronCheckpointer:
 
 # -- what Megatron-LM (patched or with the installer) and the driver call ---------------
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                    args, persistent: bool = False, **_megatron_extras) -> None:
-    """Start the snapshot of ``iteration`` (collective: every rank, same iteration).
-    ``persistent``: Megatron's persistent save, which the snapshot's flush writes to
-    ``args.save`` in the background (only where :func:`flushes_from_memory`)."""
-    _for(args).save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, args,
+                    args, persistent: bool = False, **_megatron_extras) -> SaveHandle:
+    """Start the snapshot of ``iteration`` (collective: every rank, same iteration);
+    returns its handle (Megatron-LM ignores it). ``persistent``: Megatron's persistent
+    save, which the snapshot's flush writes to ``args.save`` in the background (only
+    where :func:`flushes_from_memory`)."""
+    return _for(args).save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, args,
                     persistent)
 
 

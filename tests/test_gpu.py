@@ -174,8 +174,8 @@ def test_deepspeed_on_the_gpu_resumes_bitwise_after_a_crash(config, shm_dir, tmp
 
 @pytest.mark.parametrize("config", ["zero1.json", "zero3.json"])
 def test_deepspeed_ranks_sharing_the_gpu_resume_bitwise_after_losing_a_node(config, shm_dir, tmp_path):
-    """Three ranks on the one GPU, each a virtual node (k=2 m=1), over gloo: NCCL refuses
-    two ranks on one device, and gloo reduces CUDA tensors. SIGKILLed after step 3's
+    """Three ranks on the one GPU, each a virtual node (k=2 m=1), over gloo (NCCL wants a
+    device per rank; gloo reduces and gathers CUDA tensors). SIGKILLed after step 3's
     snapshot, a node's shared memory lost, relaunched: every rank resumes from memory
     (the lost node's rebuilt), and losses and final weights equal, bitwise, the same
     script's uninterrupted run on DeepSpeed's default engine, on the same GPU and backend."""

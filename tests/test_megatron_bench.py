@@ -33,7 +33,8 @@ def test_megatron_bench_ends_with_a_result_line(command, shm_dir):
 
 
 OVERHEAD_KEYS = {"params", "checkpoint_gb", "step_s", "ftmem_cycle_s", "torch_cycle_s", "ftmem_overhead_pct",
-                 "torch_overhead_pct", "ftmem_save_call_s", "torch_save_call_s"}
+                 "torch_overhead_pct", "ftmem_save_call_s", "torch_save_call_s", "ftmem_copy_s",
+                 "ftmem_commit_s"}
 
 
 def test_the_overhead_bench_ends_with_a_result_line(shm_dir):
