@@ -116,9 +116,17 @@ class Flusher:
             raise FtmemError(self._failure)
 
     def _flush(self, version: int, state: Any) -> None:
+        try:
+            self._write_and_publish(version, state)
+        except Exception as e:  # a collective broke (a peer died mid-flush): recorded, never a dead thread
+            self._record_failure(version, f"the flush stopped: {e}")
+
+    def _write_and_publish(self, version: int, state: Any) -> None:
+        """Every rank writes its files into a staging directory; rank 0 publishes them once
+        every rank wrote, and every rank learns whether it did. Each step's failure is
+        agreed on, so that the ranks run the same collectives and reach the same verdict."""
         name = self.format.checkpoint_name(version, state)
-        root = self.root
-        staging = os.path.join(root, f".{name}.tmp")
+        staging = os.path.join(self.root, f".{name}.tmp")
         written, started = 0, time.monotonic()
         reported = started
 
@@ -136,32 +144,48 @@ class Flusher:
             shutil.rmtree(staging, ignore_errors=True)
         if self._group is not None:
             dist.barrier(group=self._group)
-        ok = True
         try:
             os.makedirs(staging, exist_ok=True)
             self.format.write_rank(state, staging, self.rank, self.first_replica, wrote)
+            ok = True
         except Exception as e:  # a disk problem must not kill training: memory still protects it
             rank_error(self.rank, "could not flush version %d to %s: %s", version, staging, e)
             ok = False
-        if self._group is not None:
-            everyone_ok = torch.tensor([int(ok)], dtype=torch.int64)
-            dist.all_reduce(everyone_ok, op=dist.ReduceOp.MIN, group=self._group)
-            ok = bool(everyone_ok.item())
+        if not self._everyone(ok):
+            return self._record_failure(version, "a rank failed to write it; see the log")
         seconds = time.monotonic() - started
-        if not ok:
-            done = flushed(root)
-            newest = done[-1]["name"] if done else "no checkpoint"
-            self._failure = (f"the persistent tier could not write version {version} to {root} (a rank failed to "
-                             f"write it; see the log); {newest} stays the newest on disk. Fix the disk, or export "
-                             f"the version from memory with `ftmem export`.")
-            job_info("version %d was not flushed (a rank failed to write it); %s stays the newest on disk",
-                     version, newest)
-            return
+        published = True
         if self.rank == 0:
-            publish(root, os.path.basename(staging), name, version, self.format.publish, self.keep)
+            try:
+                publish(self.root, os.path.basename(staging), name, version, self.format.publish, self.keep)
+            except Exception as e:
+                rank_error(self.rank, "could not publish version %d in %s: %s", version, self.root, e)
+                published = False
+        if not self._everyone(published):
+            return self._record_failure(version, "rank 0 failed to publish it; see the log")
         self.last_flush, self.flushed_version, self._failure = (written, seconds), version, None
         rank_info(self.rank, "flushed version %d to %s: %.1f MiB in %.2f s (%.2f GB/s)", version,
-                  os.path.join(root, name), written / 2**20, seconds, written / max(seconds, 1e-9) / 1e9)
+                  os.path.join(self.root, name), written / 2**20, seconds, written / max(seconds, 1e-9) / 1e9)
+
+    def _everyone(self, ok: bool) -> bool:
+        """Whether every rank of the tier says ``ok`` (collective)."""
+        if self._group is None:
+            return ok
+        everyone_ok = torch.tensor([int(ok)], dtype=torch.int64)
+        dist.all_reduce(everyone_ok, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(everyone_ok.item())
+
+    def _record_failure(self, version: int, why: str) -> None:
+        """What it was to write is in memory only: :meth:`raise_failure` says so from now on."""
+        try:
+            done = flushed(self.root)
+            newest = done[-1]["name"] if done else "no checkpoint"
+        except OSError as e:  # the directory itself is gone or replaced
+            newest = f"whatever it held (its manifest cannot be read: {e.strerror or e})"
+        self._failure = (f"the persistent tier could not write version {version} to {self.root} ({why}); {newest} "
+                         f"stays the newest on disk. Fix the disk, or export the version from memory with "
+                         f"`ftmem export`.")
+        job_info("version %d was not flushed (%s); %s stays the newest on disk", version, why, newest)
 
 
 def publish(root: str, staging: str, name: str, version: int, point_at: Callable[[str, str], None],

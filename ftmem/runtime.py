@@ -268,13 +268,18 @@ class AdapterRuntime:
         self.close(job_finished=True)
 
     def _keep(self, reason: str) -> None:
-        self.close(job_finished=False)
-        identity = self.engine.identity
+        try:
+            self.close(job_finished=False)
+        except Exception as e:  # the failure that made it keep the memory, raised once more: the memory stays
+            reason = reason if str(e) == reason else f"{reason}; then its close failed: {e}"
         # None: this run saved nothing and restored nothing (it failed first); what it held stays.
-        newest = max(self._kept_newer, default=self.engine.protected)
-        held = "what it holds" if newest is None else f"its newest version ({newest})"
-        job_info("job %s keeps %s in shared memory (%s): a restart of the same job resumes from it. To free it: "
-                 "ftmem clean --job %s --shm-dir %s", identity.job, held, reason, identity.job, identity.shm_dir)
+        _say_kept(self.engine.identity, max(self._kept_newer, default=self.engine.protected), reason)
+
+
+def _say_kept(identity, newest: Optional[int], reason: str) -> None:
+    held = "what it holds" if newest is None else f"its newest version ({newest})"
+    job_info("job %s keeps %s in shared memory (%s): a restart of the same job resumes from it. To free it: "
+             "ftmem clean --job %s --shm-dir %s", identity.job, held, reason, identity.job, identity.shm_dir)
 
 
 def _seen_alike(seen: list) -> Optional[int]:

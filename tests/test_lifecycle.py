@@ -101,6 +101,31 @@ def test_a_relaunch_that_resumes_at_its_last_step_writes_it_to_the_tier_before_f
     assert (persist / "newest").read_text() == "v3" and jobs.list_jobs(shm_dir) == []
 
 
+def test_a_last_flush_that_fails_keeps_memory_and_still_says_how_to_free_it(shm_dir, tmp_path):
+    """The flush of the newest version at the end failed (its directory was replaced by a
+    file while the ranks were at the end). The memory stays, but the close that follows
+    raised that failure again, and the line saying how to free the memory was lost."""
+    job, persist, hooks = job_id(), tmp_path / "persist", tmp_path / "hooks"
+    hooks.mkdir()
+    rank_env = {r: {"FTMEM_TEST_HOOK": f"finish:hold:rank={r}:version=3", "FTMEM_TEST_HOOK_DIR": str(hooks)}
+                for r in range(2)}
+    ended = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), "--persist-interval", "100",
+                job=job, rank_env=rank_env)
+    with ended:
+        ended.wait_for(lambda: all((hooks / f"paused.rank{r}.v3").exists() for r in range(2)), TIMEOUT,
+                       "both ranks at the end")
+        shutil.rmtree(persist)
+        persist.write_text("not a directory")
+        for r in range(2):
+            (hooks / f"resume.rank{r}.v3").touch()
+        assert ended.wait(TIMEOUT) == [0, 0], ended.log(0)
+    assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}
+    line = re.search(rf"job {job} keeps its newest version \(3\) in shared memory \((.+)\): a restart of the same "
+                     rf"job resumes from it. To free it: ftmem clean --job {job} --shm-dir {re.escape(shm_dir)}",
+                     ended.log(0))
+    assert line and "the persistent tier could not write version 3" in line.group(1), ended.log(0)[-3000:]
+
+
 def test_a_finish_with_its_newest_version_on_disk_frees_memory(shm_dir, tmp_path):
     job, persist = job_id(), tmp_path / "persist"
     done = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job)
