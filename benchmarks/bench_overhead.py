@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import glob
 import os
 import shutil
 import statistics
@@ -114,9 +115,11 @@ def worker(argv=None) -> None:
             checkpointing.wait_protected()
         synchronize()
         took = (time.perf_counter() - t0) / iterations
-        if kind == "torch":  # keep the newest torch checkpoint only (untimed)
-            for old in range(iteration - iterations + 1, iteration):
-                shutil.rmtree(torch_checkpoint.iteration_dir(torch_args.save, old), ignore_errors=True)
+        if kind == "torch":  # keep the newest torch checkpoint only (untimed): a 1.1B one is 15 GB
+            newest = torch_checkpoint.iteration_dir(torch_args.save, iteration)
+            for old in glob.glob(os.path.join(torch_args.save, "iter_*")):
+                if old != newest:
+                    shutil.rmtree(old)
         return took
 
     kinds = mine.kinds.split(",")
@@ -127,7 +130,8 @@ def worker(argv=None) -> None:
             if round_:
                 per_iteration[kind].append(took)
             print(f"round {round_} {kind}: {took:.4f} s per iteration", flush=True)
-    checkpoint_bytes = sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(torch_args.save)
+    newest = glob.glob(os.path.join(torch_args.save, "iter_*"))
+    checkpoint_bytes = sum(os.path.getsize(os.path.join(d, name)) for path in newest for d, _, names in os.walk(path)
                            for name in names)
     checkpointing.close(job_finished=True)
     params = sum(p.numel() for chunk in model for p in chunk.module.parameters())
