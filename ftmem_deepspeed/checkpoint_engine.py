@@ -222,11 +222,12 @@ class FtmemCheckpointEngine(CheckpointEngine):
         if self._disk_dir is not None:
             return os.path.dirname(self._disk_dir), os.path.basename(self._disk_dir)
         latest = _read_latest(load_dir)
-        stubs = [f for f in glob.glob(os.path.join(load_dir, latest, "*")) if is_stub(f)] if latest else []
-        if latest and not stubs:
+        stub = next((f for f in sorted(glob.glob(os.path.join(load_dir, latest, "*"))) if is_stub(f)),
+                    None) if latest else None
+        if latest and stub is None:
             return load_dir, None  # files another engine wrote: DeepSpeed loads them as usual
         if latest:
-            self._refuse_another_job_s(stubs[0])
+            self._refuse_another_job_s(stub)
             raise NotRecoverableFromMemory(
                 f"{os.path.join(load_dir, 'latest')} names {latest}, an ftmem checkpoint that neither memory nor the "
                 f"persistent tier can give back ({self._memory_failed or 'memory holds no version of this job'}). "
