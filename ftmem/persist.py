@@ -180,8 +180,8 @@ class Flusher:
         try:
             done = flushed(self.root)
             newest = done[-1]["name"] if done else "no checkpoint"
-        except OSError as e:  # the directory itself is gone or replaced
-            newest = f"whatever it held (its manifest cannot be read: {e.strerror or e})"
+        except (OSError, ValueError) as e:  # the directory gone or replaced, the manifest damaged
+            newest = f"whatever it held (its manifest cannot be read: {getattr(e, 'strerror', None) or e})"
         self._failure = (f"the persistent tier could not write version {version} to {self.root} ({why}); {newest} "
                          f"stays the newest on disk. Fix the disk, or export the version from memory with "
                          f"`ftmem export`.")
