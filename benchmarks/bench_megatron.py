@@ -44,12 +44,24 @@ TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_lengt
 TARGET_X = 20.0
 
 
-def driver_argv(shape: dict, tp: int, ftmem_dir: str, shm_dir: str, job: str) -> list[str]:
-    """The driver's flags for the model, with in-memory checkpoints through ftmem."""
+def model_flags(shape: dict) -> list[str]:
+    """The driver's flags for a GPT of ``shape`` (MODEL's keys)."""
     return [
         "--num-layers", str(shape["num_layers"]), "--hidden-size", str(shape["hidden_size"]),
         "--num-attention-heads", str(shape["num_attention_heads"]), "--seq-length", str(shape["seq_length"]),
         "--max-position-embeddings", str(shape["seq_length"]), "--vocab-size", str(shape["vocab_size"]),
+    ]
+
+
+def print_result(result: dict) -> None:
+    """The benchmark's last line, ``RESULT key=value ...``, with counts as integers."""
+    print("RESULT " + " ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.6g}" for k, v in result.items()))
+
+
+def driver_argv(shape: dict, tp: int, ftmem_dir: str, shm_dir: str, job: str) -> list[str]:
+    """The driver's flags for the model, with in-memory checkpoints through ftmem."""
+    return [
+        *model_flags(shape),
         "--tensor-model-parallel-size", str(tp), "--micro-batch-size", "1", "--global-batch-size",
         str(WORLD // tp), "--train-iters", "1000", "--lr", "1e-4", "--mock-data",
         "--non-persistent-ckpt-type", "in_memory", "--non-persistent-save-interval", "1",
@@ -255,7 +267,7 @@ def bench_megatron(shape: dict = MODEL, tp: int = 2, saves: int = 3, shm_dir: st
     print(f"  load_checkpoint          torch {result['torch_restore_s']:.3f} s   "
           f"ftmem {result['ftmem_restore_s']:.3f} s   (restored state checked bitwise for both)")
     print(f"  wall time {time.monotonic() - started:.0f} s")
-    print("RESULT " + " ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.6g}" for k, v in result.items()))
+    print_result(result)
     return result
 
 

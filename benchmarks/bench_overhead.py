@@ -31,6 +31,7 @@ import time
 
 from ftmem import jobs
 
+from benchmarks.bench_megatron import model_flags, print_result
 from examples.launch import report_figures, run_for_figures
 
 # ~1.1B parameters: 20 layers of 12 * 2048^2, and a 32000 x 2048 embedding tied to the output.
@@ -46,9 +47,7 @@ TARGET_PCT = 2.0
 def driver_argv(shape: dict, bf16: bool, ftmem_dir: str, shm_dir: str, job: str) -> list[str]:
     """The driver's flags: one rank, in-memory checkpoints through ftmem on one node."""
     return [
-        "--num-layers", str(shape["num_layers"]), "--hidden-size", str(shape["hidden_size"]),
-        "--num-attention-heads", str(shape["num_attention_heads"]), "--seq-length", str(shape["seq_length"]),
-        "--max-position-embeddings", str(shape["seq_length"]), "--vocab-size", str(shape["vocab_size"]),
+        *model_flags(shape),
         "--micro-batch-size", str(shape["micro_batch_size"]), "--global-batch-size", str(shape["global_batch_size"]),
         "--train-iters", "100000", "--lr", "1e-4", "--mock-data", *(["--bf16"] if bf16 else []),
         "--non-persistent-ckpt-type", "in_memory", "--non-persistent-save-interval", "1",
@@ -184,7 +183,7 @@ def bench_overhead(shape: dict = MODEL, bf16: bool = True, rounds: int = 3, bloc
               f"call blocks {result['torch_save_call_s']:.3f} s (median); a checkpoint is "
               f"{result['checkpoint_gb']:.2f} GB")
     print(f"  wall time {time.monotonic() - started:.0f} s")
-    print("RESULT " + " ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.6g}" for k, v in result.items()))
+    print_result(result)
     return result
 
 
