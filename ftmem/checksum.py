@@ -1,7 +1,10 @@
 """Checksums: of shard bytes, and of the markers that describe them. xxh3-64 runs at
->20 GB/s per core here and releases the GIL."""
+>15 GB/s per core here and releases the GIL."""
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import xxhash
@@ -12,6 +15,37 @@ _DIGEST_CHARS = 16  # an xxh3-64 hex digest, zero-padded
 def checksum(buffer) -> str:
     """Hex digest of a bytes-like object (bytes, memoryview, mmap slice, contiguous array)."""
     return xxhash.xxh3_64_hexdigest(buffer)
+
+
+# A version's data is checksummed in chunks of this size by a few threads at once: one core
+# took 2 s for the 15 GB snapshot of a 1.1B-parameter model on a GPU host (7.5 GB/s),
+# longer than the copy, and a save waits for the previous one's checksum.
+DATA_CHUNK = 64 << 20
+_DATA_THREADS = min(4, os.cpu_count() or 1)
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def _hashers() -> ThreadPoolExecutor:
+    """This process's checksum threads (a forked child gets its own: it inherits none)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool, _pool_pid = ThreadPoolExecutor(_DATA_THREADS, thread_name_prefix="ftmem-checksum"), os.getpid()
+        return _pool
+
+
+def data_checksum(buffer) -> str:
+    """Hex digest of a version's data (a contiguous bytes-like object): xxh3-64 of the
+    xxh3-64 digests of its :data:`DATA_CHUNK`-byte chunks, which threads take at once."""
+    whole = memoryview(buffer).cast("B")
+    chunks = [whole[start : start + DATA_CHUNK] for start in range(0, len(whole), DATA_CHUNK)]
+    if len(chunks) > 1:
+        digests = list(_hashers().map(xxhash.xxh3_64_digest, chunks))
+    else:
+        digests = [xxhash.xxh3_64_digest(chunk) for chunk in chunks]
+    return xxhash.xxh3_64_hexdigest(b"".join(digests))
 
 
 def with_checksum(payload: bytes) -> bytes:

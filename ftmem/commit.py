@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import testhooks
-from .checksum import checksum
+from .checksum import data_checksum
 from .copier import copy_into_slot
 from .errors import FtmemError
 from .handle import SaveHandle
@@ -82,7 +82,7 @@ class Committer:
             handle._set_reusable()
             # Taken from the slot before the marker exists: a version is never committed
             # without the checksum of exactly what was written (ftmem.integrity).
-            record = dataclasses.replace(record, checksum=checksum(slot_bytes.numpy()[: record.plan.nbytes]))
+            record = dataclasses.replace(record, checksum=data_checksum(slot_bytes.numpy()[: record.plan.nbytes]))
             self.store.write_commit(record)
             testhooks.at("after_commit", self.rank, version)
             if self._column is not None:

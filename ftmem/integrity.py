@@ -1,8 +1,8 @@
 """Integrity: a version's bytes checked against the checksums its writer took.
 
-The rank's copy thread checksums (xxh3-64) the slot bytes of a version right after
-copying them, before the commit marker exists, and keeps the checksum in the commit
-record; each parity holder checksums its pieces before writing the parity marker; and
+The rank's copy thread checksums the slot bytes of a version right after copying them
+(:func:`ftmem.checksum.data_checksum`), before the commit marker exists, and keeps the
+checksum in the commit record; each parity holder checksums its pieces before writing the parity marker; and
 every marker carries a checksum of its own payload (:mod:`ftmem.slots`). A version
 therefore never counts as committed without a checksum of exactly what was written,
 and nothing computed later from whatever bytes are there can bless a damaged one.
@@ -14,13 +14,16 @@ as a lost shard (rebuilt from parity, or an older version used), never as data.
 """
 from __future__ import annotations
 
-from .checksum import checksum
+from typing import Callable
+
+from .checksum import checksum, data_checksum
 from .errors import CorruptShard
 from .slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore
 
 
-def _checksums(store: RankStore, slot: int, kind: str, spans: list[tuple[int, int]], what: str) -> list[str]:
-    """The checksum of each (start, end) span of a slot file; CorruptShard if the file is
+def _checksums(store: RankStore, slot: int, kind: str, spans: list[tuple[int, int]], what: str,
+               digest: Callable[[memoryview], str] = checksum) -> list[str]:
+    """The ``digest`` of each (start, end) span of a slot file; CorruptShard if the file is
     missing, empty or shorter than the spans."""
     path = store.slot_path(slot, kind)
     end = max(e for _, e in spans)
@@ -28,7 +31,7 @@ def _checksums(store: RankStore, slot: int, kind: str, spans: list[tuple[int, in
         with store.map_slot(slot, writable=False, kind=kind) as mm, memoryview(mm) as whole:
             if len(whole) < end:
                 raise CorruptShard(f"{what}: {path} holds {len(whole)} bytes, fewer than the {end} written.")
-            return [checksum(whole[start:stop]) for start, stop in spans]
+            return [digest(whole[start:stop]) for start, stop in spans]
     except (OSError, ValueError) as e:  # missing, or empty (mmap refuses a zero-length file)
         raise CorruptShard(f"{what}: {path} cannot be read ({e}).") from e
 
@@ -42,7 +45,7 @@ def verify(store: RankStore, version: int) -> CommitRecord:
 def check_data(store: RankStore, record: CommitRecord) -> CommitRecord:
     """``record`` (read from an intact marker) if the slot bytes match its checksum; CorruptShard if not."""
     what = f"rank {store.rank} version {record.version}"
-    (data,) = _checksums(store, record.slot, DATA, [(0, record.plan.nbytes)], what)
+    (data,) = _checksums(store, record.slot, DATA, [(0, record.plan.nbytes)], what, data_checksum)
     if data != record.checksum:
         raise CorruptShard(f"{what}: data in {store.slot_path(record.slot)} does not match its checksum.")
     return record

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import integrity, testhooks
-from .checksum import checksum
+from .checksum import data_checksum
 from .copier import read_from_slot, shard_bytes
 from .errors import CorruptShard, FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from .logs import rank_info, rank_warning
@@ -236,7 +236,7 @@ class Restorer:
         if rebuilt is None:
             return None
         record, raw = rebuilt
-        if len(raw) != record.plan.nbytes or checksum(raw) != record.checksum:
+        if len(raw) != record.plan.nbytes or data_checksum(raw) != record.checksum:
             return (f"rank {self.rank}'s data rebuilt from parity does not match the checksum its writer took "
                     f"(the parity does not belong to the data the survivors hold)")
         # A failure here is this rank's alone: said as a problem, so that every rank stops

@@ -49,7 +49,8 @@ NUM_SLOTS = 2
 DATA, PARITY = "slot", "parity"
 _MARKER_RE = re.compile(r"^rank(\d{5})\.v(\d{12})\.s(\d)\.(commit|parity)$")
 # Bumped whenever a record's fields change meaning: a reader refuses what it does not know.
-RECORD_FORMAT = 1
+# 2: a commit record's checksum is ftmem.checksum.data_checksum (of chunks), no longer one xxh3.
+RECORD_FORMAT = 2
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,14 @@ import glob
 import os
 import signal
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import flip_byte, job_id, run_cli
 from examples.launch import wait_until
 from ftmem import NotRecoverableFromMemory, SnapshotEngine
-from ftmem.checksum import checksum
+from ftmem.checksum import DATA_CHUNK, checksum, data_checksum
 from ftmem.procs import pid_alive
 from ftmem.slots import PARITY, RankStore
 from ftmem.smp_client import running_smp
@@ -54,6 +55,20 @@ def damage(path, how):
 
 
 # -- finding 4: corruption before any seal exists is never blessed ---------------------
+def test_the_data_checksum_sees_a_flip_in_any_chunk_whatever_buffer_holds_the_bytes():
+    """Chunks are hashed by several threads: the digest must still cover every byte,
+    chunk edges included, and not depend on the buffer type or the order threads end."""
+    data = np.random.default_rng(0).integers(0, 256, 2 * DATA_CHUNK + 5, dtype=np.uint8)
+    whole = data_checksum(data)
+    assert data_checksum(bytes(data)) == whole == data_checksum(memoryview(data))
+    for at in (0, DATA_CHUNK - 1, DATA_CHUNK, 2 * DATA_CHUNK + 4):
+        data[at] ^= 1
+        assert data_checksum(data) != whole, at
+        data[at] ^= 1
+    assert data_checksum(data) == whole
+    assert data_checksum(data[:DATA_CHUNK]) != data_checksum(data[: DATA_CHUNK + 1])
+
+
 def test_a_byte_flipped_while_the_smp_was_down_is_never_restored(shm_dir, ftmem_log):
     engine = make_engine(shm_dir, job_id())
     engine.save({"w": torch.zeros(4096)}, 1).wait_committed()
