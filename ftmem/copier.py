@@ -6,6 +6,7 @@ device-to-host copies on a side stream into the slot, registered as pinned memor
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -71,31 +72,30 @@ def copy_into_slot(
 ) -> None:
     """Copy every tensor into its window of the slot; returns when all bytes are there."""
     half = len(tensors) // 2
-    done_events = []
-    for i, (t, entry) in enumerate(zip(tensors, plan.entries)):
-        if i == half:
-            halfway()
-        if entry.nbytes == 0:
-            continue
-        src = t.detach()
-        if entry.replicated:  # only this replica's slice of it, as raw bytes
-            windows = _shard_windows(entry, plan.shard)
-            if windows is None:
+    # Each device's side stream waits once for the training stream, and is the current
+    # stream of its device for the whole loop: this thread holds the GIL while it runs
+    # Python, so per-tensor work here delays the training thread's kernel launches.
+    with torch.no_grad(), contextlib.ExitStack() as on_side_streams:
+        for device, ready in cuda_ready.items():
+            stream = side_streams.setdefault(device, torch.cuda.Stream(device))
+            stream.wait_event(ready)
+            on_side_streams.enter_context(torch.cuda.stream(stream))
+        for i, (t, entry) in enumerate(zip(tensors, plan.entries)):
+            if i == half:
+                halfway()
+            if entry.nbytes == 0:
                 continue
-            src = src.reshape(-1).view(torch.uint8)[windows[0]]
-            dst = slot_bytes[windows[1]]
-        else:
-            dst = slot_view(slot_bytes, entry)
-        if src.is_cuda:
-            stream = side_streams.setdefault(src.device, torch.cuda.Stream(src.device))
-            stream.wait_event(cuda_ready[src.device])
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-        else:
-            dst.copy_(src)
-    for device, stream in side_streams.items():
+            if entry.replicated:  # only this replica's slice of it, as raw bytes
+                windows = _shard_windows(entry, plan.shard)
+                if windows is None:
+                    continue
+                slot_bytes[windows[1]].copy_(t.reshape(-1).view(torch.uint8)[windows[0]], non_blocking=t.is_cuda)
+            else:
+                slot_view(slot_bytes, entry).copy_(t, non_blocking=t.is_cuda)
+    done_events = []
+    for device in cuda_ready:
         ev = torch.cuda.Event()
-        ev.record(stream)
+        ev.record(side_streams[device])
         done_events.append(ev)
     for ev in done_events:
         ev.synchronize()
