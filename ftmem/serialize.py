@@ -91,16 +91,28 @@ class _SkeletonPickler(pickle.Pickler):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
         self._index_of: dict[tuple, int] = {}
+        # A tensor object met again (a state holds the same ones under two names) is not
+        # checked twice: at ~1,700 tensors a save, that work is the training loop's wait.
+        # Each entry holds its object, so that no id is reused during the dump (a
+        # __reduce__ may hand over a temporary tensor).
+        self._seen: dict[int, tuple[int, torch.Tensor]] = {}
 
     def persistent_id(self, obj: Any):
         if not isinstance(obj, torch.Tensor):
             return None
+        seen = self._seen.get(id(obj))
+        if seen is None:
+            seen = self._seen[id(obj)] = (self._index(obj), obj)
+        return (_TENSOR_REF, seen[0])
+
+    def _index(self, obj: torch.Tensor) -> int:
         _check_plain_tensor(obj)
-        index = self._index_of.get(_elements(obj))
+        key = _elements(obj)
+        index = self._index_of.get(key)
         if index is None:
-            index = self._index_of[_elements(obj)] = len(self.tensors)
+            index = self._index_of[key] = len(self.tensors)
             self.tensors.append(obj)
-        return (_TENSOR_REF, index)
+        return index
 
 
 def _elements(t: torch.Tensor) -> tuple:
@@ -109,7 +121,8 @@ def _elements(t: torch.Tensor) -> tuple:
     storages may all start at address 0): each is itself."""
     if t.numel() == 0:
         return (id(t),)
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    # The address of the first element stands for storage and offset (cheaper to ask for).
+    return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
 class _SkeletonUnpickler(pickle.Unpickler):
