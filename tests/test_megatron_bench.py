@@ -34,7 +34,7 @@ def test_megatron_bench_ends_with_a_result_line(command, shm_dir):
 
 OVERHEAD_KEYS = {"params", "checkpoint_gb", "step_s", "ftmem_cycle_s", "torch_cycle_s", "ftmem_overhead_pct",
                  "torch_overhead_pct", "ftmem_save_call_s", "torch_save_call_s", "ftmem_copy_s",
-                 "ftmem_commit_s"}
+                 "ftmem_commit_s", "ftmem_steady_cycle_s", "ftmem_steady_overhead_pct", "ftmem_drain_s"}
 
 
 def test_the_overhead_bench_ends_with_a_result_line(shm_dir):
@@ -48,11 +48,15 @@ def test_the_overhead_bench_ends_with_a_result_line(shm_dir):
     result = {k: float(v) for k, v in (kv.split("=") for kv in lines[-1].split()[1:])}
     assert result.keys() == OVERHEAD_KEYS
     assert all(result[k] > 0 for k in OVERHEAD_KEYS if not k.endswith("_pct")), result
-    for kind in ("ftmem", "torch"):
+    for kind in ("ftmem", "torch", "ftmem_steady"):
         expected = 100 * (result[f"{kind}_cycle_s"] / result["step_s"] - 1)
         assert abs(result[f"{kind}_overhead_pct"] - expected) < 1e-3 * abs(expected) + 1e-3
+    # Each block's steady figure is its whole time less the drain, so the medians keep that order.
+    assert result["ftmem_steady_cycle_s"] < result["ftmem_cycle_s"]
     for kind in ("nosave", "ftmem", "torch"):
         assert sum(ln.startswith(f"  {kind:7s} s per iteration: ") and len(ln.split(": ")[1].split()) == 2
                    for ln in lines) == 1, out.stdout
     assert "nothing is drained outside it" in out.stdout and "a checkpoint is" in out.stdout
+    assert sum(ln.startswith("  steady state, the drain left out: ") and ln.endswith(" s, timed apart")
+               for ln in lines) == 1, out.stdout
     assert jobs.list_jobs(shm_dir) == []  # the benchmark's job freed its shared memory
