@@ -133,10 +133,13 @@ TOOLS = "ftmem.tools"  # entry-point group of the tools `ftmem bench` and `ftmem
 BENCHES = {
     "save": "blocking and copy time of a save vs torch.save and a memory copy",
     "ec": "coding throughput per core vs a memory copy, time to protection, memory overhead",
+    "protect": "save to protected per node as the job grows (N virtual nodes, k = N - m), beside gloo all_to_all "
+               "and a memory copy of the same run",
     "megatron": "save blocking and restore time of a megatron-core GPT (TP 2, 2 ranks) vs Megatron-LM's "
                 "--ckpt-format torch",
     "deepspeed": "save_checkpoint and load_checkpoint of a DeepSpeed ZeRO-1 GPT (2 ranks) vs DeepSpeed's "
                  "default engine, and the iteration time with a save every step",
+    "d2h": "device-to-host GB/s of a save of CUDA tensors into pinned shared memory vs a plain pinned copy (GPU)",
     "overhead": "the iteration time of a megatron-core GPT (about 1.1B parameters, bf16, one GPU) with an in-memory "
                 "save after every iteration, against no saves and a torch save after every iteration",
     "soak": "a save every iteration for --iters iterations on 3 ranks and nodes: growth of RSS, threads, fds, "
