@@ -2,10 +2,11 @@
 
 The rank's copy thread checksums the slot bytes of a version right after copying them
 (:func:`ftmem.checksum.data_checksum`), before the commit marker exists, and keeps the
-checksum in the commit record; each parity holder checksums its pieces before writing the parity marker; and
-every marker carries a checksum of its own payload (:mod:`ftmem.slots`). A version
-therefore never counts as committed without a checksum of exactly what was written,
-and nothing computed later from whatever bytes are there can bless a damaged one.
+checksum in the commit record; each parity holder checksums its pieces before writing
+the parity marker; and every marker carries a checksum of its own payload
+(:mod:`ftmem.slots`). A version therefore never counts as committed without a checksum
+of exactly what was written, and nothing computed later from whatever bytes are there
+can bless a damaged one.
 
 Restore and export read a version only through :func:`verify` or :func:`check_data`
 (data) and :func:`check_parity` (parity pieces). A mismatch, or a slot or marker file that is
