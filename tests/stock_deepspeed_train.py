@@ -75,6 +75,10 @@ def main() -> None:
     if args.read_back:
         read_back(args.read_back, engine, args.save_dir, args.read_back_tag,
                   os.path.join(args.out, f"rank{rank}.read-back.pt"))
+    # Every rank done with the group before any tears it down: rank 0 may still be writing
+    # the 16-bit export when rank 1 reaches this line (a rank 1 that went on alone aborted
+    # once, "terminate called without an active exception", in a loaded CI run).
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # as PyTorch asks: no group's threads left to end at exit
 
 
