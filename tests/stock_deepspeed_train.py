@@ -70,15 +70,16 @@ def main() -> None:
                os.path.join(args.out, f"rank{rank}.final.pt"))
     if args.save_16bit:
         print(f"rank {rank}: save_16bit_model returned {engine.save_16bit_model(args.save_16bit)}", flush=True)
+        # Ranks leave the export together: rank 0 still writes it when rank 1 returns, and a
+        # rank 1 that went on alone aborted once at exit ("terminate called without an
+        # active exception") in a loaded CI run. Not at the end of the script: some reads
+        # below are made by rank 0 alone, on purpose.
+        torch.distributed.barrier()
     if args.also_save_to:
         engine.save_checkpoint(args.also_save_to, client_state={"next_step": args.iters})
     if args.read_back:
         read_back(args.read_back, engine, args.save_dir, args.read_back_tag,
                   os.path.join(args.out, f"rank{rank}.read-back.pt"))
-    # Every rank done with the group before any tears it down: rank 0 may still be writing
-    # the 16-bit export when rank 1 reaches this line (a rank 1 that went on alone aborted
-    # once, "terminate called without an active exception", in a loaded CI run).
-    torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # as PyTorch asks: no group's threads left to end at exit
 
 
