@@ -154,6 +154,31 @@ def worker(argv=None) -> None:
     torch.distributed.destroy_process_group()
 
 
+def figures(f: dict, block: int) -> dict:
+    """The ``RESULT`` figures from the worker's report of blocks of ``block`` iterations.
+
+    The steady state is an ftmem block without its drain, and it is one only when a block's
+    later iterations run beside an earlier save's copy and commit: blocks of one iteration have
+    none, so their result leaves the steady figures out rather than report a save call alone.
+    """
+    median = {kind: statistics.median(times) for kind, times in f["per_iteration_s"].items()}
+    result = {"params": f["params"], "step_s": median["nosave"]}
+    for kind in SAVES:
+        if kind in median:
+            result.update({f"{kind}_cycle_s": median[kind],
+                           f"{kind}_overhead_pct": 100 * (median[kind] / median["nosave"] - 1),
+                           f"{kind}_save_call_s": statistics.median(f["save_calls_s"][kind])})
+    if "ftmem" in median:
+        result.update(ftmem_copy_s=statistics.median(f["copies_s"]), ftmem_commit_s=statistics.median(f["commits_s"]))
+        if block > 1:
+            steady = statistics.median(f["steady_s"])
+            result.update(ftmem_steady_cycle_s=steady, ftmem_steady_overhead_pct=100 * (steady / median["nosave"] - 1),
+                          ftmem_drain_s=statistics.median(f["drains_s"]))
+    if "torch" in median:
+        result["checkpoint_gb"] = f["checkpoint_bytes"] / 1e9
+    return result
+
+
 def bench_overhead(shape: dict = MODEL, bf16: bool = True, rounds: int = 3, block: int = 2, kinds=KINDS,
                    shm_dir: str = "/dev/shm", timeout_s: float = 3600) -> dict:
     work = tempfile.mkdtemp(prefix="ftmem-bench-overhead-", dir=os.getcwd())
@@ -167,39 +192,31 @@ def bench_overhead(shape: dict = MODEL, bf16: bool = True, rounds: int = 3, bloc
     finally:
         jobs.clean(shm_dir, job)
         shutil.rmtree(work, ignore_errors=True)
-    median = {kind: statistics.median(times) for kind, times in f["per_iteration_s"].items()}
-    result = {"params": f["params"], "step_s": median["nosave"]}
-    for kind in SAVES:
-        if kind in median:
-            result.update({f"{kind}_cycle_s": median[kind],
-                           f"{kind}_overhead_pct": 100 * (median[kind] / median["nosave"] - 1),
-                           f"{kind}_save_call_s": statistics.median(f["save_calls_s"][kind])})
-    if "ftmem" in median:
-        steady = statistics.median(f["steady_s"])
-        result.update(ftmem_copy_s=statistics.median(f["copies_s"]), ftmem_commit_s=statistics.median(f["commits_s"]),
-                      ftmem_steady_cycle_s=steady, ftmem_steady_overhead_pct=100 * (steady / median["nosave"] - 1),
-                      ftmem_drain_s=statistics.median(f["drains_s"]))
-    if "torch" in median:
-        result["checkpoint_gb"] = f["checkpoint_bytes"] / 1e9
+    result = figures(f, block)
     print(f"megatron-core GPT of {f['params'] / 1e6:.1f}M parameters ({shape}), {'bf16' if f['bf16'] else 'fp32'}, "
           f"Adam, one rank on {f['device']}; medians over {rounds} rounds of {block}-iteration blocks after a "
           f"warm-up round:")
     for kind, times in f["per_iteration_s"].items():
         print(f"  {kind:7s} s per iteration: " + " ".join(f"{t:.4f}" for t in times))
     print(f"  without saves {result['step_s']:.4f} s per iteration")
-    if "ftmem" in median:
+    if "ftmem_cycle_s" in result:
         print(f"  an ftmem save after each {result['ftmem_cycle_s']:.4f} s ({result['ftmem_overhead_pct']:+.2f}%, "
               f"target <= {TARGET_PCT:.0f}%: {'met' if result['ftmem_overhead_pct'] <= TARGET_PCT else 'NOT met'}); "
               f"the call blocks {result['ftmem_save_call_s']:.4f} s (median); each block ends when its last "
               f"snapshot is committed, inside the timer: nothing is drained outside it")
         print(f"  each ftmem save, in the background: the copy {result['ftmem_copy_s']:.4f} s, then checksum and "
               f"commit {result['ftmem_commit_s']:.4f} s (medians)")
-        print(f"  steady state, the drain left out: " + " ".join(f"{t:.4f}" for t in f["steady_s"])
-              + f" s per iteration, median {steady:.4f} s ({result['ftmem_steady_overhead_pct']:+.2f}%, target <= "
-              f"{TARGET_PCT:.0f}%: {'met' if result['ftmem_steady_overhead_pct'] <= TARGET_PCT else 'NOT met'}); "
-              f"the drain (waiting for the block's last save to commit, which a run pays once at its end) "
-              + " ".join(f"{t:.4f}" for t in f["drains_s"]) + " s, timed apart")
-    if "torch" in median:
+        if "ftmem_steady_cycle_s" in result:
+            print(f"  steady state, the drain left out: " + " ".join(f"{t:.4f}" for t in f["steady_s"])
+                  + f" s per iteration, median {result['ftmem_steady_cycle_s']:.4f} s "
+                  f"({result['ftmem_steady_overhead_pct']:+.2f}%, target <= {TARGET_PCT:.0f}%: "
+                  f"{'met' if result['ftmem_steady_overhead_pct'] <= TARGET_PCT else 'NOT met'}); "
+                  f"the drain (waiting for the block's last save to commit, which a run pays once at its end) "
+                  + " ".join(f"{t:.4f}" for t in f["drains_s"]) + " s, timed apart")
+        else:
+            print("  steady state: not measured with blocks of one iteration, where no earlier save runs beside "
+                  "an iteration (run with --block 2 or more for it)")
+    if "torch_cycle_s" in result:
         print(f"  a torch save after each {result['torch_cycle_s']:.4f} s ({result['torch_overhead_pct']:+.1f}%); the "
               f"call blocks {result['torch_save_call_s']:.3f} s (median); a checkpoint is "
               f"{result['checkpoint_gb']:.2f} GB")
@@ -221,10 +238,13 @@ def main(argv=None) -> int:
     for key, value in MODEL.items():
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"default {value}")
     parser.add_argument("--rounds", type=int, default=3, help="counted rounds of blocks after the warm-up round")
-    parser.add_argument("--block", type=int, default=2, help="iterations per block")
+    parser.add_argument("--block", type=int, default=2,
+                        help="iterations per block (default 2; the steady-state figure needs 2 or more)")
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"comma-separated, of {', '.join(KINDS)} (default all; nosave is always run)")
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.block < 1:
+        parser.error(f"--rounds and --block must be at least 1 (got --rounds {args.rounds} --block {args.block})")
     shape = dict(TINY if args.tiny else MODEL)
     shape.update({k: getattr(args, k) for k in MODEL if getattr(args, k) is not None})
     kinds = ["nosave"] + [k for k in SAVES if k in args.kinds.split(",")]

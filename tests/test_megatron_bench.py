@@ -60,3 +60,27 @@ def test_the_overhead_bench_ends_with_a_result_line(shm_dir):
     assert sum(ln.startswith("  steady state, the drain left out: ") and ln.endswith(" s, timed apart")
                for ln in lines) == 1, out.stdout
     assert jobs.list_jobs(shm_dir) == []  # the benchmark's job freed its shared memory
+
+
+def test_blocks_of_one_iteration_report_no_steady_state():
+    """With one iteration per block no earlier save runs beside an iteration, so the figures
+    leave the steady state out instead of calling an iteration plus its save call steady; blocks
+    of two keep it. (The report's arithmetic on a worker's report, without a model.)"""
+    from benchmarks.bench_overhead import figures
+
+    report = {"params": 10, "checkpoint_bytes": 4e9, "per_iteration_s": {"nosave": [1.0, 1.2], "ftmem": [1.5, 1.7]},
+              "save_calls_s": {"ftmem": [0.05, 0.07]}, "copies_s": [0.2, 0.4], "commits_s": [0.3, 0.5],
+              "steady_s": [1.02, 1.04], "drains_s": [0.4, 0.6]}
+    one = figures(report, block=1)
+    assert not any(k.startswith(("ftmem_steady", "ftmem_drain")) for k in one), one
+    assert one["ftmem_cycle_s"] == pytest.approx(1.6) and one["ftmem_overhead_pct"] == pytest.approx(100 * (1.6 / 1.1 - 1))
+    two = figures(report, block=2)
+    assert two["ftmem_steady_cycle_s"] == pytest.approx(1.03) and two["ftmem_drain_s"] == pytest.approx(0.5)
+    assert two["ftmem_steady_overhead_pct"] == pytest.approx(100 * (1.03 / 1.1 - 1))
+    assert one.keys() | {"ftmem_steady_cycle_s", "ftmem_steady_overhead_pct", "ftmem_drain_s"} == two.keys()
+
+
+def test_the_overhead_bench_refuses_an_empty_block():
+    out = subprocess.run([sys.executable, "-m", "ftmem.cli", "bench", "overhead", "--tiny", "--block", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--rounds and --block must be at least 1 (got --rounds 3 --block 0)" in out.stderr
