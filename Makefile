@@ -23,7 +23,7 @@ demo: install
 	DS_ACCELERATOR=cpu $(PY) -m examples.deepspeed.demo
 
 test: install
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=30 tests
 
 clean-shm: install
 	$(VENV)/bin/ftmem clean --all
