@@ -24,6 +24,7 @@ import torch
 
 from ftmem import jobs
 
+from benchmarks import restore_breakdown
 from examples.launch import report_figures, run_for_figures
 
 WORLD = 2
@@ -115,8 +116,11 @@ def worker(argv=None) -> None:
         engine, cfg = engine_for(BIG, ftmem)  # a "restarted" engine: restore into fresh state
         figures[f"{name}_restore_s"] = timed(lambda: engine.load_checkpoint(ckpt))
         if ftmem:
+            figures.update(restore_breakdown.figures(engine.checkpoint_engine.runtime.last_restore))
             engine.checkpoint_engine.runtime.close(job_finished=True)
         del engine
+    if rank == 0:  # beside the restore figures, untimed: what first-touch page faults cost here
+        figures.update(restore_breakdown.copy_bandwidths())
 
     # 1b. the cycle cost on the big model: blocks of steps with an ftmem save after every
     # step take turns with blocks without saves; a block with saves ends when its last
@@ -208,6 +212,7 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
         "protected_s": f["ftmem_protected_s"], "drain_before_restore_s": f["ftmem_drain_before_protected_s"],
         "step_s": f["big_step_s"], "cycle_s": f["big_cycle_s"], "cycle_cost_s": f["big_cycle_s"] - f["big_step_s"],
         "cycle_cost_vs_default_save_x": (f["big_cycle_s"] - f["big_step_s"]) / f["default_save_s"],
+        **{key: f[key] for key in restore_breakdown.KEYS},
     }
     for case in ITERATION_CASES:
         nosave, save = f[f"iter_{case}_nosave_s"], f[f"iter_{case}_save_s"]
@@ -218,6 +223,7 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
           f"   ({result['save_vs_default_x']:.0f}x less, target >= 20x)")
     print(f"  load_checkpoint          default {result['default_restore_s']:.3f} s   "
           f"ftmem {result['ftmem_restore_s']:.3f} s")
+    print(restore_breakdown.describe(result))
     print(f"  a save after every step: step {result['step_s']:.3f} s without saves, {result['cycle_s']:.3f} s with "
           f"(cycle cost {result['cycle_cost_s']:+.3f} s, {result['cycle_cost_vs_default_save_x']:.2f}x the default "
           f"engine's blocking save, target <= 0.25x; every wait billed)")

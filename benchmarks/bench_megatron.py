@@ -34,6 +34,7 @@ import time
 
 from ftmem import jobs
 
+from benchmarks import restore_breakdown
 from examples.launch import report_figures, run_for_figures
 
 WORLD = 2
@@ -209,7 +210,11 @@ def worker(argv=None) -> None:
         if not same.item():
             raise RuntimeError(f"the {name} restore does not reproduce the saved parameters and optimizer state")
         figures[f"{name}_restore_s"] = took
+        if name == "ftmem":
+            figures.update(restore_breakdown.figures(checkpointing.last_restore()))
         model = optimizer = scheduler = None  # free it before building the next
+    if rank == 0:  # after the restore figures, untimed: what first-touch page faults cost here
+        figures.update(restore_breakdown.copy_bandwidths())
     checkpointing.close(job_finished=True)
     if rank == 0:
         report_figures(figures)
@@ -243,6 +248,7 @@ def bench_megatron(shape: dict = MODEL, tp: int = 2, saves: int = 3, shm_dir: st
         "step_s": f["step_s"], "cycle_s": f["cycle_s"], "cycle_cost_s": f["cycle_s"] - f["step_s"],
         "cycle_cost_vs_torch_save_x": (f["cycle_s"] - f["step_s"]) / f["torch_save_s"],
         "drains_s": f["drains_s"],
+        **{key: f[key] for key in restore_breakdown.KEYS},
     }
     print(f"megatron-core GPT of {f['params'] / 1e6:.1f}M parameters ({shape}), TP {tp} on {WORLD} ranks "
           f"(CPU, gloo), Adam; ftmem EC k=1 m=1, one rank per node; times are the max over ranks, "
@@ -266,6 +272,7 @@ def bench_megatron(shape: dict = MODEL, tp: int = 2, saves: int = 3, shm_dir: st
           f"{result['drains_s']:.3f} s in all, outside the save timers")
     print(f"  load_checkpoint          torch {result['torch_restore_s']:.3f} s   "
           f"ftmem {result['ftmem_restore_s']:.3f} s   (restored state checked bitwise for both)")
+    print(restore_breakdown.describe(result))
     print(f"  wall time {time.monotonic() - started:.0f} s")
     print_result(result)
     return result

@@ -14,7 +14,7 @@ from .logs import job_info, rank_info, restored_from_disk, restored_from_memory
 from .ownership import ForeignVersions
 from .parallel import ParallelLayout, gather_dp_groups
 from .persist import flushed, save_atomically
-from .restore import Restored
+from .restore import Restored, RestoreTimes
 from .rng import rng_states, set_rng_states
 from .runtime import DISK, MEMORY, SCRATCH, AdapterRuntime, Resumption, check_startup
 from .private import write_atomically
@@ -22,7 +22,7 @@ from .rendezvous import everyone_joins
 
 __all__ = [
     # the engine, for applications
-    "SnapshotEngine", "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored",
+    "SnapshotEngine", "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes",
     "rng_states", "set_rng_states",
     # the adapter seam and runtime
     "FrameworkFormat", "AdapterRuntime", "Resumption", "MEMORY", "DISK", "SCRATCH", "check_startup",

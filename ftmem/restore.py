@@ -8,8 +8,9 @@ through :meth:`Restorer.read_version` too, on whichever thread flushes.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -29,10 +30,25 @@ from .slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore
 
 
 @dataclass
+class RestoreTimes:
+    """Where one rank's restore spent its time, in seconds (ftmem bench reports them)."""
+
+    agree_s: float = 0.0  # choosing the version job-wide, this rank's bytes checked against their checksums
+    rebuild_s: float = 0.0  # lost data rebuilt from parity and protected again; 0 with no node lost
+    copy_s: float = 0.0  # this rank's own bytes copied out of shared memory into fresh private tensors
+    gather_wait_s: float = 0.0  # then waiting for the DP replicas' slices (the gather runs beside the copy)
+
+    @property
+    def total_s(self) -> float:
+        return self.agree_s + self.rebuild_s + self.copy_s + self.gather_wait_s
+
+
+@dataclass
 class Restored:
     version: int
     state: Any
     rebuilt: bool = False  # this rank's data was rebuilt from its EC group's parity
+    times: RestoreTimes = field(default_factory=RestoreTimes)
 
 
 def gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> list:
@@ -133,15 +149,18 @@ class Restorer:
 
     def restore(self, version: Optional[int], device: torch.device, drop_newer: bool = True) -> Optional[Restored]:
         """See :meth:`ftmem.SnapshotEngine.restore`."""
+        times, began = RestoreTimes(), time.perf_counter()
         on_entry = sorted(set(self.store.committed()) | set(self.store.parity_held()))
         data, parity = self.held()
         decision = self._agree(version, data, parity)
+        times.agree_s = time.perf_counter() - began
         if decision is None:
             self._refuse_a_fresh_start(on_entry)
             return None
         chosen, to_rebuild, held = decision
         # The crash tests' "mid-restore": the job agreed on ``chosen``; nothing rebuilt or read yet.
         testhooks.at("mid_restore", self.rank, chosen)
+        began = time.perf_counter()
         if to_rebuild:
             problem = None
             column_rebuilds = self._column is not None and any(r in to_rebuild for r in self._column_ranks())
@@ -159,15 +178,19 @@ class Restorer:
             if all(gather_objects(chosen in parity or stored, self._gloo)) and \
                     (self.store.read_protected() or 0) < chosen:
                 self.store.write_protected(chosen)
+        times.rebuild_s = time.perf_counter() - began
         record = data[chosen]
         mismatch = record.layout and self.layout.mismatch(record.layout)
         if mismatch:
             raise LayoutMismatch(f"version {chosen} was saved under another parallel layout ({mismatch}). "
                                  f"Restart with the layout it was saved with, or restore from a disk checkpoint.")
-        state = self.read_version(record, self.memory.bytes_of(record.slot), device, gather_in_thread=True)
+        state = self.read_version(record, self.memory.bytes_of(record.slot), device, times)
         if drop_newer:
             self.store.drop_from(chosen + 1)
-        return Restored(version=chosen, state=state, rebuilt=self.rank in to_rebuild)
+        rank_info(self.rank, "restore of version %d took %.3f s: agreeing and checking %.3f s, rebuilding %.3f s, "
+                  "copying %.3f s, waiting for the DP gather %.3f s", chosen, times.total_s, times.agree_s,
+                  times.rebuild_s, times.copy_s, times.gather_wait_s)
+        return Restored(version=chosen, state=state, rebuilt=self.rank in to_rebuild, times=times)
 
     def _refuse_a_fresh_start(self, on_entry: list[int]) -> None:
         """No rank has intact data of any version. That is a fresh job only if no rank held
@@ -180,21 +203,30 @@ class Restorer:
                 f"rank's log names the damaged files it dropped). Fall back to a disk checkpoint.")
 
     def read_version(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device,
-                     gather_in_thread: bool = False) -> Any:
+                     times: Optional[RestoreTimes] = None) -> Any:
         """The whole state of a version, in private memory on ``device``; a DP-sharded one
-        is gathered back from the replicas (collective over the DP group). With
-        ``gather_in_thread`` the gather runs in a thread of its own while this one copies
-        the rank's unique bytes out of the slot: restore does, at start. The flush does not:
-        it may run at interpreter exit, where no new thread can start."""
-        plan = record.plan
+        is gathered back from the replicas (collective over the DP group). With ``times``
+        (restore, at start) the gather runs in a thread of its own while this one copies
+        the rank's unique bytes out of the slot, and both are timed into ``times``. The flush
+        does not: it may run at interpreter exit, where no new thread can start."""
+        plan, began = record.plan, time.perf_counter()
         if not plan.shard:
             tensors = read_from_slot(slot_bytes, plan, device)
-        elif not gather_in_thread:
+        elif times is None:
             tensors = read_from_slot(slot_bytes, plan, device, lambda: self._gather_replicated(plan, slot_bytes))
         else:
             with ThreadPoolExecutor(1, thread_name_prefix="ftmem-gather") as pool:
                 gathered = pool.submit(self._gather_replicated, plan, slot_bytes)
-                tensors = read_from_slot(slot_bytes, plan, device, gathered.result)
+
+                def wait_for_gather() -> torch.Tensor:
+                    waited = time.perf_counter()
+                    stream = gathered.result()
+                    times.gather_wait_s = time.perf_counter() - waited
+                    return stream
+
+                tensors = read_from_slot(slot_bytes, plan, device, wait_for_gather)
+        if times is not None:
+            times.copy_s = time.perf_counter() - began - times.gather_wait_s
         return join_state(record.skeleton, tensors)
 
     def _gather_replicated(self, plan: SnapshotPlan, slot_bytes: torch.Tensor) -> torch.Tensor:

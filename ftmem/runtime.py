@@ -41,7 +41,7 @@ from .ownership import versions_of_other_jobs
 from .parallel import ParallelLayout
 from .identity import check_node_layout
 from .persist import Flusher, check_writable
-from .restore import Restored, gather_objects
+from .restore import Restored, RestoreTimes, gather_objects
 
 MEMORY, DISK, SCRATCH = "memory", "disk", "scratch"
 
@@ -79,6 +79,7 @@ class AdapterRuntime:
                                              world_size=self.engine.identity.world_size))
         self._crashed = self._finished = False
         self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (restore_named)
+        self.last_restore: Optional[RestoreTimes] = None  # where the last load from memory spent its time
         _close_at_exit(self)
 
     @property
@@ -203,6 +204,7 @@ class AdapterRuntime:
         # The job's newest version until it saves again: a job that ends without saving (a
         # relaunch at its last iteration) must keep it in memory or flush it, never free it.
         self.engine.protected = restored.version
+        self.last_restore = restored.times
         announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
 
     def resumed_from_disk(self, iteration: int, directory: str, reason: Optional[str]) -> None:

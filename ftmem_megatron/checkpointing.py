@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, ConfigError, LayoutMismatch, NotRecoverableFromMemory, ParallelLayout,
-                   Resumption, SaveHandle, gather_dp_groups, rank_info)
+                   RestoreTimes, Resumption, SaveHandle, gather_dp_groups, rank_info)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
@@ -295,6 +295,11 @@ def wait_before_optimizer_step() -> None:
     """The last snapshot's copy is done: the optimizer may write the state again."""
     if _checkpointer is not None:
         _checkpointer.runtime.wait_reusable()
+
+
+def last_restore() -> Optional[RestoreTimes]:
+    """Where this process's last load from memory spent its time (None before one)."""
+    return _checkpointer.runtime.last_restore if _checkpointer is not None else None
 
 
 def wait_protected() -> None:

@@ -6,11 +6,13 @@ import sys
 
 import pytest
 
+from benchmarks import restore_breakdown
 from ftmem import jobs
 
 KEYS = {"ftmem_save_s", "torch_save_s", "save_vs_torch_x", "ftmem_restore_s", "torch_restore_s",
         "restore_vs_torch_x", "persist_save_s", "persist_vs_memory_save_x", "flush_s", "flush_gbps",
-        "torch_save_gbps", "params", "step_s", "cycle_s", "cycle_cost_s", "cycle_cost_vs_torch_save_x", "drains_s"}
+        "torch_save_gbps", "params", "step_s", "cycle_s", "cycle_cost_s", "cycle_cost_vs_torch_save_x", "drains_s",
+        *restore_breakdown.KEYS}
 
 
 @pytest.mark.parametrize("command", [
@@ -25,8 +27,13 @@ def test_megatron_bench_ends_with_a_result_line(command, shm_dir):
     assert lines[-1].startswith("RESULT ") and sum(ln.startswith("RESULT") for ln in lines) == 1
     result = {k: float(v) for k, v in (kv.split("=") for kv in lines[-1].split()[1:])}
     assert KEYS <= result.keys()
-    # A save can cost an iteration nothing (noise): the cycle cost alone may be negative.
-    assert all(v > 0 for k, v in result.items() if not k.startswith("cycle_cost")), result
+    # A save can cost an iteration nothing (noise): the cycle cost alone may be negative. A
+    # restore with no node lost rebuilds nothing, and TP 2 has no DP replica to gather from.
+    phases = [f"ftmem_restore_{phase}_s" for phase in restore_breakdown.PHASES]
+    assert all(v > 0 for k, v in result.items() if not k.startswith("cycle_cost") and k not in phases), result
+    assert all(result[k] >= 0 for k in phases) and result["ftmem_restore_copy_s"] > 0, result
+    # The phases are rank 0's, inside its load, which the restore figure times.
+    assert sum(result[k] for k in phases) <= result["ftmem_restore_s"], result
     assert abs(result["cycle_cost_s"] - (result["cycle_s"] - result["step_s"])) < 1e-6 + 1e-3 * result["cycle_s"]
     assert "target >= 20x" in out.stdout and "(target <= 1.05x); written from memory" in out.stdout
     assert jobs.list_jobs(shm_dir) == []  # the benchmark's job freed its shared memory

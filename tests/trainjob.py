@@ -1,6 +1,7 @@
 """Running examples.engine.toy_train jobs in tests: reference runs, restarts, bitwise checks,
 losing whole virtual nodes."""
 import os
+import re
 
 import torch
 
@@ -59,6 +60,18 @@ class TrainJob:
         assert codes == [0] * self.world, logs
         for rank in range(self.world):
             assert logged(restored_from_memory(expect_version, rank, rebuilt=rank in rebuilt_ranks), logs[rank])
+            # Where the restore spent its time (issue 17): a rebuild is timed where one ran.
+            took = re.search(rf"rank {rank}: restore of version {expect_version} took ([0-9.]+) s: agreeing and "
+                             rf"checking ([0-9.]+) s, rebuilding ([0-9.]+) s, copying ([0-9.]+) s, waiting for the "
+                             rf"DP gather ([0-9.]+) s", logs[rank])
+            assert took, logs[rank][-3000:]
+            total, *phases = map(float, took.groups())
+            assert abs(total - sum(phases)) < 0.01, took.group(0)
+            rebuilding = phases[1]
+            if rank in rebuilt_ranks:
+                assert rebuilding > 0, took.group(0)
+            elif not rebuilt_ranks:  # (a rank beside a rebuild joins it, briefly)
+                assert rebuilding == 0, took.group(0)
         assert_same_training(self.out, reference, self.world)
         left = jobs.status(self.shm_dir)["jobs"]
         assert left == [], left  # a clean finish frees the job's memory
