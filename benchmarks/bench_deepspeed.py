@@ -119,8 +119,11 @@ def worker(argv=None) -> None:
             figures.update(restore_breakdown.figures(engine.checkpoint_engine.runtime.last_restore))
             engine.checkpoint_engine.runtime.close(job_finished=True)
         del engine
-    if rank == 0:  # beside the restore figures, untimed: what first-touch page faults cost here
+    # Untimed, with the other rank waiting in a barrier: what first-touch page faults cost here.
+    torch.distributed.barrier()
+    if rank == 0:
         figures.update(restore_breakdown.copy_bandwidths())
+    torch.distributed.barrier()
 
     # 1b. the cycle cost on the big model: blocks of steps with an ftmem save after every
     # step take turns with blocks without saves; a block with saves ends when its last

@@ -213,8 +213,11 @@ def worker(argv=None) -> None:
         if name == "ftmem":
             figures.update(restore_breakdown.figures(checkpointing.last_restore()))
         model = optimizer = scheduler = None  # free it before building the next
-    if rank == 0:  # after the restore figures, untimed: what first-touch page faults cost here
+    # Untimed, with the other rank waiting in a barrier: what first-touch page faults cost here.
+    torch.distributed.barrier()
+    if rank == 0:
         figures.update(restore_breakdown.copy_bandwidths())
+    torch.distributed.barrier()
     checkpointing.close(job_finished=True)
     if rank == 0:
         report_figures(figures)

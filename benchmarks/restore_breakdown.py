@@ -46,6 +46,7 @@ def describe(f: dict) -> str:
     """One line for a benchmark's output, from :func:`figures` and :func:`copy_bandwidths`."""
     return (f"  ftmem's load from memory (rank 0): agreeing and checking {f['ftmem_restore_agree_s']:.3f} s, "
             f"rebuilding {f['ftmem_restore_rebuild_s']:.3f} s, copying {f['ftmem_restore_copy_s']:.3f} s, "
-            f"waiting for the DP gather {f['ftmem_restore_gather_wait_s']:.3f} s; the rest is the framework's. "
+            f"waiting for the DP gather {f['ftmem_restore_gather_wait_s']:.3f} s; the rest is the engine's start "
+            f"and the framework's load. "
             f"A copy runs at {f['copy_fresh_gbps']:.1f} GB/s into fresh memory here, "
             f"{f['copy_touched_gbps']:.1f} GB/s into touched memory (first-touch page faults)")
