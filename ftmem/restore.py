@@ -69,6 +69,27 @@ class DataParallelPeers:
     sharded: bool  # whether saves keep only this replica's slice of the replicated state
 
 
+def gather_replicated(plan: SnapshotPlan, slot_bytes: torch.Tensor, peers: DataParallelPeers) -> torch.Tensor:
+    """The whole replicated stream, from every DP replica's slice (collective over the DP group)."""
+    shard = plan.shard
+    if not peers.sharded or shard.count != len(peers.ranks):
+        raise LayoutMismatch(f"this version is DP-sharded over {shard.count} replicas, but the job now has "
+                             f"DP sharding {'on' if peers.sharded else 'off'} over {len(peers.ranks)}.")
+    sizes = gather_objects(shard.stream_nbytes, peers.group)
+    if len(set(sizes)) != 1:
+        raise FtmemError(f"the replicas {list(peers.ranks)} saved different replicated state "
+                         f"(stream sizes {sizes}): every replica must mark the same tensors replicated.")
+    # Each replica broadcasts its slice straight into place: on gloo, D broadcasts
+    # move the bytes about twice as fast as one all_gather, and need no staging.
+    stream = torch.empty(shard.stream_nbytes, dtype=torch.uint8)
+    for d, src in enumerate(peers.ranks):
+        start, end = shard.stream_nbytes * d // shard.count, shard.stream_nbytes * (d + 1) // shard.count
+        if d == shard.index:
+            stream[start:end] = shard_bytes(slot_bytes, plan)
+        dist.broadcast(stream[start:end], src=src, group=peers.group)
+    return stream
+
+
 class Restorer:
     def __init__(self, store: RankStore, memory: SlotMemory, topology: Topology, column: Optional[ColumnCoder],
                  gloo: Optional[dist.ProcessGroup], peers: DataParallelPeers, layout: ParallelLayout):
@@ -213,10 +234,10 @@ class Restorer:
         if not plan.shard:
             tensors = read_from_slot(slot_bytes, plan, device)
         elif times is None:
-            tensors = read_from_slot(slot_bytes, plan, device, lambda: self._gather_replicated(plan, slot_bytes))
+            tensors = read_from_slot(slot_bytes, plan, device, lambda: gather_replicated(plan, slot_bytes, self.peers))
         else:
             with ThreadPoolExecutor(1, thread_name_prefix="ftmem-gather") as pool:
-                gathered = pool.submit(self._gather_replicated, plan, slot_bytes)
+                gathered = pool.submit(gather_replicated, plan, slot_bytes, self.peers)
 
                 def wait_for_gather() -> torch.Tensor:
                     waited = time.perf_counter()
@@ -228,26 +249,6 @@ class Restorer:
         if times is not None:
             times.copy_s = time.perf_counter() - began - times.gather_wait_s
         return join_state(record.skeleton, tensors)
-
-    def _gather_replicated(self, plan: SnapshotPlan, slot_bytes: torch.Tensor) -> torch.Tensor:
-        """The whole replicated stream, from every DP replica's slice (collective over the DP group)."""
-        shard, peers = plan.shard, self.peers
-        if not peers.sharded or shard.count != len(peers.ranks):
-            raise LayoutMismatch(f"this version is DP-sharded over {shard.count} replicas, but the job now has "
-                                 f"DP sharding {'on' if peers.sharded else 'off'} over {len(peers.ranks)}.")
-        sizes = gather_objects(shard.stream_nbytes, peers.group)
-        if len(set(sizes)) != 1:
-            raise FtmemError(f"the replicas {list(peers.ranks)} saved different replicated state "
-                             f"(stream sizes {sizes}): every replica must mark the same tensors replicated.")
-        # Each replica broadcasts its slice straight into place: on gloo, D broadcasts
-        # move the bytes about twice as fast as one all_gather, and need no staging.
-        stream = torch.empty(shard.stream_nbytes, dtype=torch.uint8)
-        for d, src in enumerate(peers.ranks):
-            start, end = shard.stream_nbytes * d // shard.count, shard.stream_nbytes * (d + 1) // shard.count
-            if d == shard.index:
-                stream[start:end] = shard_bytes(slot_bytes, plan)
-            dist.broadcast(stream[start:end], src=src, group=peers.group)
-        return stream
 
     def _column_ranks(self) -> list[int]:
         t = self.topology

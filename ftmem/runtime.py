@@ -61,12 +61,11 @@ class AdapterRuntime:
     def __init__(self, config: FtmemConfig, layout: ParallelLayout, format: FrameworkFormat, save_dir: str,
                  persist_dir: Optional[str] = None, persist_interval: int = 0, persist_keep: Optional[int] = None,
                  framework_on_disk: Optional[Callable[[], Optional[int]]] = None):
-        """``save_dir``: where the framework saves this job's checkpoints; the job's
-        origin, which a relaunch of the same job reproduces (see ftmem.identity).
-        ``persist_dir``: the persistent tier's directory (flushes every
-        ``persist_interval``-th protected version, and those saved with ``persist``).
-        ``framework_on_disk``: the version of the framework's own newest disk checkpoint
-        (None if none), asked at the end when the script did not say (an end at exit)."""
+        """``save_dir``: where the framework saves this job's checkpoints; the job's origin, which a
+        relaunch of the same job reproduces (see ftmem.identity). ``persist_dir``: the persistent
+        tier's directory (flushes every ``persist_interval``-th protected version, and those saved
+        with ``persist``). ``framework_on_disk``: the version of the framework's own newest disk
+        checkpoint (None if none), asked at the end when the script did not say (an end at exit)."""
         self.config, self.format = config, format
         self._framework_on_disk = framework_on_disk
         self.engine = SnapshotEngine(config, layout=layout, format=format.name,
