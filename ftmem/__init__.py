@@ -4,6 +4,7 @@ What an application or a framework adapter uses is exported here; the submodules
 the engine's parts (see the README's architecture section) and may change.
 """
 from .config import DP_SHARD_CHOICES, FtmemConfig
+from .destinations import RestoreTargets, TensorPlace
 from .engine import SnapshotEngine
 from .errors import (CollectiveNotJoined, ConfigError, CorruptShard, EcGeometryMismatch, FtmemError,
                      JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion, NotRecoverableFromMemory, ShmBudgetError,
@@ -25,7 +26,8 @@ __all__ = [
     "SnapshotEngine", "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes",
     "rng_states", "set_rng_states",
     # the adapter seam and runtime
-    "FrameworkFormat", "AdapterRuntime", "Resumption", "MEMORY", "DISK", "SCRATCH", "check_startup",
+    "FrameworkFormat", "AdapterRuntime", "Resumption", "MEMORY", "DISK", "SCRATCH", "check_startup", "RestoreTargets",
+    "TensorPlace",
     "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins",
     # logging and the contract lines
     "job_info", "rank_info", "restored_from_memory", "restored_from_disk",

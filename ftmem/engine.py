@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .commit import Committer
 from .config import FtmemConfig
 from .copier import capture_cuda_order
+from .destinations import RestoreTargets
 from .errors import FtmemError
 from .handle import SaveHandle
 from .identity import RankIdentity
@@ -228,20 +229,19 @@ class SnapshotEngine:
         return sorted(self.store.committed())
 
     def restore(self, version: Optional[int] = None, device: Union[str, torch.device] = "cpu",
-                drop_newer: bool = True) -> Optional[Restored]:
+                drop_newer: bool = True, into: Optional[RestoreTargets] = None) -> Optional[Restored]:
         """Restore the newest version every rank can recover (collective over all ranks).
 
-        Each rank verifies its held data and parity against their checksums; a
-        mismatch is logged and treated as a lost shard, never returned. A rank that
-        lacks the version (its node was lost, or its copy is corrupt) gets its data
-        rebuilt from its EC group's parity. Returns None if no rank holds any version
-        (a fresh job); raises :class:`~ftmem.errors.NotRecoverableFromMemory`, naming
-        the groups and nodes, if versions are held (even if all prove damaged) but none
-        is recoverable for every rank, and :class:`~ftmem.errors.LayoutMismatch` if it
-        was saved under another layout. Newer versions are dropped unless ``drop_newer``
-        is False (tools' reads)."""
+        Each rank verifies its held data and parity against their checksums; a mismatch is
+        logged and treated as a lost shard, never returned. A rank that lacks the version (its
+        node was lost, or its copy is corrupt) gets its data rebuilt from its EC group's parity.
+        Returns None if no rank holds any version (a fresh job); raises NotRecoverableFromMemory,
+        naming the groups and nodes, if versions are held (even if all prove damaged) but none
+        is recoverable for every rank, and LayoutMismatch if it was saved under another layout.
+        Newer versions are dropped unless ``drop_newer`` is False (tools' reads). ``into`` names
+        the framework's tensors to restore into (:mod:`ftmem.destinations`)."""
         self.wait()  # a save in flight commits first
-        return self._restorer.restore(version, torch.device(device), drop_newer)
+        return self._restorer.restore(version, torch.device(device), drop_newer, into)
 
     # -- end --------------------------------------------------------------------
     def close(self, job_finished: bool = False) -> None:

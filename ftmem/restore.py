@@ -11,14 +11,15 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import integrity, testhooks
 from .checksum import data_checksum
-from .copier import read_from_slot, shard_bytes
+from .copier import read_from_slot
+from .destinations import RestoreTargets, destinations
 from .errors import CorruptShard, FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from .logs import rank_info, rank_warning
 from .parallel import ParallelLayout
@@ -69,25 +70,61 @@ class DataParallelPeers:
     sharded: bool  # whether saves keep only this replica's slice of the replicated state
 
 
-def gather_replicated(plan: SnapshotPlan, slot_bytes: torch.Tensor, peers: DataParallelPeers) -> torch.Tensor:
-    """The whole replicated stream, from every DP replica's slice (collective over the DP group)."""
+def gather_replicated(plan: SnapshotPlan, slot_bytes: torch.Tensor, peers: DataParallelPeers,
+                      into: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The whole replicated stream, from every DP replica's slice (collective over the DP
+    group). An entry with a tensor in ``into`` ends up in that tensor, gathered straight into
+    it where every replica has one for it; its bytes of the returned stream are then never
+    written (so never paged in)."""
     shard = plan.shard
     if not peers.sharded or shard.count != len(peers.ranks):
         raise LayoutMismatch(f"this version is DP-sharded over {shard.count} replicas, but the job now has "
                              f"DP sharding {'on' if peers.sharded else 'off'} over {len(peers.ranks)}.")
-    sizes = gather_objects(shard.stream_nbytes, peers.group)
+    mine = frozenset(i for i, e in enumerate(plan.entries) if e.replicated and into[i] is not None and e.nbytes)
+    everyone = gather_objects((shard.stream_nbytes, mine), peers.group)
+    sizes = [size for size, _ in everyone]
     if len(set(sizes)) != 1:
         raise FtmemError(f"the replicas {list(peers.ranks)} saved different replicated state "
                          f"(stream sizes {sizes}): every replica must mark the same tensors replicated.")
     # Each replica broadcasts its slice straight into place: on gloo, D broadcasts
-    # move the bytes about twice as fast as one all_gather, and need no staging.
+    # move the bytes about twice as fast as one all_gather, and need no staging. A slice
+    # goes in pieces where entries have tensors of their own to land in; every broadcast
+    # is a collective, so only at entries that every replica has such a tensor for.
+    agreed = frozenset.intersection(*(held for _, held in everyone))
+    own = sorted((plan.entries[i].offset, plan.entries[i].offset + plan.entries[i].nbytes, i) for i in agreed)
     stream = torch.empty(shard.stream_nbytes, dtype=torch.uint8)
     for d, src in enumerate(peers.ranks):
         start, end = shard.stream_nbytes * d // shard.count, shard.stream_nbytes * (d + 1) // shard.count
-        if d == shard.index:
-            stream[start:end] = shard_bytes(slot_bytes, plan)
-        dist.broadcast(stream[start:end], src=src, group=peers.group)
+        for lo, hi, i in _pieces(start, end, own):
+            target = stream[lo:hi] if i is None else \
+                _bytes_of(into[i])[lo - plan.entries[i].offset: hi - plan.entries[i].offset]
+            if d == shard.index:
+                target.copy_(slot_bytes[shard.offset + lo - start: shard.offset + hi - start])
+            dist.broadcast(target, src=src, group=peers.group)
+    for i in mine - agreed:
+        _bytes_of(into[i]).copy_(stream[plan.entries[i].offset: plan.entries[i].offset + plan.entries[i].nbytes])
     return stream
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, written without autograd (it may be a parameter)."""
+    return t.detach().view(-1).view(torch.uint8)
+
+
+def _pieces(start: int, end: int, own: list[tuple[int, int, int]]) -> Iterator[tuple[int, int, Optional[int]]]:
+    """Stream bytes [start, end) cut into (lo, hi, entry index) at the byte ranges of ``own``
+    (sorted, disjoint): index None for what lies between them."""
+    at = start
+    for lo, hi, i in own:
+        lo, hi = max(lo, start), min(hi, end)
+        if lo >= hi:
+            continue
+        if at < lo:
+            yield at, lo, None
+        yield lo, hi, i
+        at = hi
+    if at < end:
+        yield at, end, None
 
 
 class Restorer:
@@ -168,7 +205,8 @@ class Restorer:
             if not any(gather_objects(damaged, self._gloo)):
                 return chosen, to_rebuild, held
 
-    def restore(self, version: Optional[int], device: torch.device, drop_newer: bool = True) -> Optional[Restored]:
+    def restore(self, version: Optional[int], device: torch.device, drop_newer: bool = True,
+                into: Optional[RestoreTargets] = None) -> Optional[Restored]:
         """See :meth:`ftmem.SnapshotEngine.restore`."""
         times, began = RestoreTimes(), time.perf_counter()
         on_entry = sorted(set(self.store.committed()) | set(self.store.parity_held()))
@@ -205,7 +243,7 @@ class Restorer:
         if mismatch:
             raise LayoutMismatch(f"version {chosen} was saved under another parallel layout ({mismatch}). "
                                  f"Restart with the layout it was saved with, or restore from a disk checkpoint.")
-        state = self.read_version(record, self.memory.bytes_of(record.slot), device, times)
+        state = self.read_version(record, self.memory.bytes_of(record.slot), device, times, into)
         if drop_newer:
             self.store.drop_from(chosen + 1)
         rank_info(self.rank, "restore of version %d took %.3f s: agreeing and checking %.3f s, rebuilding %.3f s, "
@@ -224,20 +262,23 @@ class Restorer:
                 f"rank's log names the damaged files it dropped). Fall back to a disk checkpoint.")
 
     def read_version(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device,
-                     times: Optional[RestoreTimes] = None) -> Any:
-        """The whole state of a version, in private memory on ``device``; a DP-sharded one
-        is gathered back from the replicas (collective over the DP group). With ``times``
+                     times: Optional[RestoreTimes] = None, into: Optional[RestoreTargets] = None) -> Any:
+        """The whole state of a version, in private memory on ``device`` (into the tensors
+        ``into`` names, where they fit: :mod:`ftmem.destinations`); a DP-sharded one is
+        gathered back from the replicas (collective over the DP group). With ``times``
         (restore, at start) the gather runs in a thread of its own while this one copies
         the rank's unique bytes out of the slot, and both are timed into ``times``. The flush
         does not: it may run at interpreter exit, where no new thread can start."""
+        dests = destinations(record.skeleton, record.plan.entries, into)  # the framework's work, not timed here
         plan, began = record.plan, time.perf_counter()
         if not plan.shard:
-            tensors = read_from_slot(slot_bytes, plan, device)
+            tensors = read_from_slot(slot_bytes, plan, device, into=dests)
         elif times is None:
-            tensors = read_from_slot(slot_bytes, plan, device, lambda: gather_replicated(plan, slot_bytes, self.peers))
+            tensors = read_from_slot(slot_bytes, plan, device,
+                                     lambda: gather_replicated(plan, slot_bytes, self.peers, dests), dests)
         else:
             with ThreadPoolExecutor(1, thread_name_prefix="ftmem-gather") as pool:
-                gathered = pool.submit(gather_replicated, plan, slot_bytes, self.peers)
+                gathered = pool.submit(gather_replicated, plan, slot_bytes, self.peers, dests)
 
                 def wait_for_gather() -> torch.Tensor:
                     waited = time.perf_counter()
@@ -245,7 +286,7 @@ class Restorer:
                     times.gather_wait_s = time.perf_counter() - waited
                     return stream
 
-                tensors = read_from_slot(slot_bytes, plan, device, wait_for_gather)
+                tensors = read_from_slot(slot_bytes, plan, device, wait_for_gather, dests)
         if times is not None:
             times.copy_s = time.perf_counter() - began - times.gather_wait_s
         return join_state(record.skeleton, tensors)

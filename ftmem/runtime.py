@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from . import testhooks
 from .config import FtmemConfig
+from .destinations import RestoreTargets
 from .engine import SnapshotEngine
 from .errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from .format import FrameworkFormat
@@ -132,18 +133,18 @@ class AdapterRuntime:
         self.engine.wait_flushed()
 
     # -- restore ------------------------------------------------------------------------
-    def restore(self, disk_version: Optional[int] = None) -> Resumption:
-        """Decide where to resume (collective): the newest version memory can recover for
-        every rank, unless the newest disk checkpoint (``disk_version``: this rank's view,
-        None if there is none) is newer; else disk, which every rank must see alike; else
-        scratch. A version saved under another layout or EC geometry, and versions other job
-        ids saved from this save dir while this job holds none (a relaunch at another size
-        derives another id), are refused with the reason (memory left as it is), or skipped
-        for the disk when ``allow_disk_fallback``."""
+    def restore(self, disk_version: Optional[int] = None, into: Optional[RestoreTargets] = None) -> Resumption:
+        """Decide where to resume (collective): the newest version memory can recover for every
+        rank (restored into the tensors ``into`` names: :mod:`ftmem.destinations`), unless the
+        newest disk checkpoint (``disk_version``: this rank's view, None if none) is newer; else
+        disk, which every rank must see alike; else scratch. A version saved under another layout
+        or EC geometry, and versions other job ids saved from this save dir while this job holds
+        none (a relaunch at another size derives another id), are refused with the reason (memory
+        left as it is), or skipped for the disk when ``allow_disk_fallback``."""
         seen = self.gather(disk_version)
         newest_on_disk = max((v for v in seen if v is not None), default=None)
         try:
-            restored = self.engine.restore()
+            restored = self.engine.restore(into=into)
             others = None if restored else self.agree(versions_of_other_jobs(self.engine.identity))
             if others is not None:
                 raise LayoutMismatch(others)

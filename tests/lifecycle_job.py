@@ -3,12 +3,15 @@ rank saves a replicated tensor per step, protected, and ends the way ``--end`` s
 
     python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close} [--persist DIR]
         [--persist-interval N] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
+        [--restore-into {rank-0,every-rank}]
 
 ``--end close`` closes the runtime itself, keeping the memory, before it returns. With
 ``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
 PyTorch asks scripts to; else an exit hook does it after ftmem's end. ``--runtimes N``
 runs N jobs side by side in each process (as a script with several DeepSpeed engines
 does), the others saving into subdirectories of ``--out``; their ids derive from those.
+``--restore-into`` names a tensor of the rank's own for the restore to write the replicated
+tensor into (``AdapterRuntime.restore(into=...)``), on rank 0 only or on every rank.
 """
 import argparse
 import atexit
@@ -60,6 +63,7 @@ def main() -> None:
                    help="resume from this version, named (AdapterRuntime.restore_named), not the newest")
     p.add_argument("--ranks-per-node", type=int, default=1, help="with all ranks on one node, no parity (m=0)")
     p.add_argument("--runtimes", type=int, default=1)
+    p.add_argument("--restore-into", choices=("rank-0", "every-rank"), default=None)
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -85,12 +89,17 @@ def train(args, world: int) -> None:
     # it as a node whose file system cache is behind sees it, else the tier itself.
     view = os.environ.get("DISK_VIEW", args.persist)
     on_disk = flushed(view)[-1]["version"] if view and flushed(view) else None
+    own = torch.zeros(1000) if args.restore_into == "every-rank" or (args.restore_into and dist.get_rank() == 0) else None
     resumption = (Resumption(MEMORY, restored=runtime.restore_named(args.load_version))
-                  if args.load_version is not None else runtime.restore(disk_version=on_disk))
+                  if args.load_version is not None else
+                  runtime.restore(disk_version=on_disk, into=(lambda saved: {"w": own}) if own is not None else None))
     start = 1
     if resumption.source == MEMORY:
         runtime.resumed_from_memory(resumption.restored)
         start = resumption.restored.version + 1
+        w = resumption.restored.state["w"]
+        print(f"rank {dist.get_rank()}: restored w = {sorted(set(w.tolist()))} x {w.numel()} into "
+              f"{'its own tensor' if w is own else 'new memory'}", flush=True)
     elif resumption.source == DISK:  # the state of a step is the step: nothing to read
         start = on_disk + 1
     print(f"rank {dist.get_rank()}: resumes at step {start} ({resumption.source})", flush=True)

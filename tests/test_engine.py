@@ -15,7 +15,7 @@ import torch
 
 from conftest import flip_byte, job_id, run_cli
 from ftmem import (ConfigError, CorruptShard, FrameworkFormat, LayoutMismatch, NoRecoverableVersion, ParallelLayout,
-                   ShmBudgetError, SnapshotEngine, UnsupportedTensor, flushed, integrity)
+                   ShmBudgetError, SnapshotEngine, TensorPlace, UnsupportedTensor, flushed, integrity)
 from ftmem.persist import Flusher
 from ftmem.procs import pid_alive
 from ftmem.smp_client import running_smp
@@ -88,6 +88,38 @@ def test_restore_is_bitwise_with_structure_dtypes_and_parameters_kept(shm_dir):
     assert_same_state(restored.state, state)
     assert restored.state["same_object_again"] is restored.state["fp32"]
     assert not any(t.data_ptr() == s.data_ptr() for t, s in [(restored.state["fp32"], state["fp32"])])
+    engine.close(job_finished=True)
+
+
+def test_a_restore_writes_into_the_tensors_the_framework_names_where_they_fit(shm_dir):
+    """``restore(into=...)``: the saved tensors land in the framework's own tensors where
+    those fit (dtype, shape, kind, contiguous, overlapping no other), and are handed back as
+    those objects; the rest are restored into fresh memory, and a misfit is left untouched."""
+    engine = make_engine(shm_dir)
+    state = rich_state(2)
+    engine.save(state, 1).wait_committed()
+    fits, frozen = torch.zeros(64, 32), torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    flat = torch.zeros(12, dtype=torch.int64)  # two windows of one buffer, overlapping
+    misfits = {"bf16": torch.zeros(33), "transposed": torch.zeros(16, 8).t(), "param": torch.zeros(3),
+               "fp16": torch.zeros(3, 7, dtype=torch.float16)}
+    shown = []
+
+    def into(saved):
+        shown.append(saved)
+        return {"fp32": fits, "frozen": frozen, "ordered": {"a": [flat[:6].view(2, 3), None, None]},
+                "int64": flat[4:9], "absent": torch.zeros(1), **misfits}
+
+    restored = engine.restore(into=into)
+    assert_same_state(restored.state, state)
+    assert isinstance(shown[0]["fp32"], TensorPlace) and shown[0]["iteration"] == 2
+    got = restored.state
+    assert got["fp32"] is fits and got["same_object_again"] is fits and got["frozen"] is frozen
+    # The window met first in the state is used; the one overlapping it is not.
+    assert got["int64"].data_ptr() == flat[4:9].data_ptr() and torch.equal(flat[4:9], state["int64"])
+    assert got["ordered"]["a"][0].data_ptr() != flat.data_ptr()
+    assert not flat[:4].any() and not flat[9:].any()
+    for key, misfit in misfits.items():
+        assert got[key] is not misfit and not misfit.any(), key
     engine.close(job_finished=True)
 
 

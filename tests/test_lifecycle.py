@@ -63,6 +63,22 @@ def test_sys_exit_keeps_the_newest_version_for_the_restart(shm_dir, tmp_path):
     assert logged(restored_from_memory(3, 0), back.log(0)) and logged(restored_from_memory(3, 1), back.log(1))
 
 
+@pytest.mark.parametrize("into", ["rank-0", "every-rank"])
+def test_a_dp_sharded_tensor_is_restored_into_the_tensors_the_ranks_name(into, shm_dir, tmp_path):
+    """The replicated tensor (half of it on each rank) is gathered straight into a tensor
+    a rank names for it, and into new memory where it names none. Each piece the replicas
+    broadcast is a collective: where only rank 0 names one, the ranks still cut the stream
+    alike (a different cut would hang or mix up bytes), and rank 0 copies its tensor out."""
+    job = job_id()
+    first = run(shm_dir, tmp_path, "--steps", "3", job=job)
+    assert first.wait(TIMEOUT) == [0, 0], first.log(0)
+    back = run(shm_dir, tmp_path, "--steps", "3", "--restore-into", into, job=job)
+    assert back.wait(TIMEOUT) == [0, 0], back.log(0) + back.log(1)
+    for rank in range(2):
+        where = "its own tensor" if into == "every-rank" or rank == 0 else "new memory"
+        assert f"rank {rank}: restored w = [3.0] x 1000 into {where}" in back.log(rank), back.log(rank)
+
+
 def test_an_uncaught_exception_keeps_the_newest_version(shm_dir, tmp_path):
     job = job_id()
     ended = run(shm_dir, tmp_path, "--steps", "2", "--end", "raise", job=job)
