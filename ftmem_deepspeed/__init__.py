@@ -12,7 +12,9 @@ all three native, for those who keep a DeepSpeed fork; the import then changes n
   step overwrites what it copies.
 * ``DeepSpeedEngine.load_checkpoint`` without a tag asks ftmem what to resume from
   (:meth:`FtmemCheckpointEngine.resume_point`) instead of trusting ``latest``, which
-  DeepSpeed writes before the snapshot is committed, and not atomically.
+  DeepSpeed writes before the snapshot is committed, and not atomically. It names the
+  engine's tensors that the restore may write straight into (:mod:`ftmem_deepspeed.targets`);
+  the patch's native hook names none, and restores into fresh memory.
 
 And one that the patch does not make native: ``torch.load`` of a stub in a live engine's
 save dir is served from memory (:mod:`ftmem_deepspeed.serve`), for the DeepSpeed paths
@@ -22,6 +24,7 @@ without optimizer states, a model-states file loaded by path).
 from __future__ import annotations
 
 import functools
+import inspect
 
 import deepspeed.runtime.checkpoint_engine.utils as ds_utils
 import deepspeed.runtime.engine as ds_engine
@@ -30,6 +33,7 @@ from ftmem_guard import selects_ftmem
 
 from .checkpoint_engine import FtmemCheckpointEngine
 from .serve import install_torch_load_hook
+from .targets import restore_targets
 
 
 def install() -> None:
@@ -66,7 +70,11 @@ def install() -> None:
             return stock_load(self, load_dir, tag, *args, **kwargs)
         try:
             if tag is None:
-                point = self.checkpoint_engine.resume_point(load_dir)
+                asked = inspect.signature(stock_load).bind(self, load_dir, tag, *args, **kwargs)
+                asked.apply_defaults()
+                point = self.checkpoint_engine.resume_point(load_dir, restore_targets(
+                    self, asked.arguments["load_optimizer_states"], asked.arguments["load_module_only"],
+                    asked.arguments["custom_load_fn"]))
                 if point is None:
                     return None, None  # nothing to resume from: as stock DeepSpeed without a `latest`
                 load_dir, tag = point

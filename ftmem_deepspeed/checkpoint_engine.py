@@ -29,7 +29,8 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, NotRecoverableFromMemory, ParallelLayout,
-                   Restored, check_startup, everyone_joins, flushed, gather_dp_groups, job_info, save_atomically)
+                   Restored, RestoreTargets, check_startup, everyone_joins, flushed, gather_dp_groups, job_info,
+                   save_atomically)
 
 from .format import DeepSpeedFormat
 from .stub import is_stub, read_stub, write_stub
@@ -202,7 +203,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         return False
 
     # -- ftmem ---------------------------------------------------------------------------
-    def resume_point(self, load_dir: str) -> Optional[tuple[str, Optional[str]]]:
+    def resume_point(self, load_dir: str, into: Optional[RestoreTargets] = None) -> Optional[tuple[str, Optional[str]]]:
         """What ``load_checkpoint(load_dir)`` without a tag resumes from, whatever DeepSpeed's
         ``latest`` says (it may name a version memory never committed, or be empty after a
         kill mid-write): ``(load_dir, tag)`` of memory's newest recoverable version, else
@@ -210,13 +211,14 @@ class FtmemCheckpointEngine(CheckpointEngine):
         ``(load_dir, None)`` to let DeepSpeed read ``latest`` when it names another
         engine's files; None for a fresh job, which has nothing to resume from. Memory that
         held versions it cannot give back, with no disk checkpoint, is refused with the
-        reason (:meth:`ftmem.AdapterRuntime.resumed_from_scratch`).
+        reason (:meth:`ftmem.AdapterRuntime.resumed_from_scratch`). A restore from memory
+        writes into the engine's tensors that ``into`` names (:mod:`ftmem_deepspeed.targets`).
         When ``latest`` names an ftmem checkpoint that neither memory nor the persistent
         tier can give back, the load is refused: DeepSpeed's default engine would have
         loaded that checkpoint, so a fresh start in its place would be a silently wrong
         resume. Collective: every rank loads."""
         self._start(load_dir)
-        self._restore()
+        self._restore(into=into)
         if self._restored is not None:
             return load_dir, self._restored["tag"]
         if self._disk_dir is not None:
@@ -327,7 +329,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._restored, self._restore_tried, self._disk_dir, self._memory_failed = None, False, None, None
         self._served = None
 
-    def _restore(self, named: Optional[str] = None) -> Optional[dict]:
+    def _restore(self, named: Optional[str] = None, into: Optional[RestoreTargets] = None) -> Optional[dict]:
         """Restore once per load (all ranks load together). A resume (no ``named`` file):
         memory's newest, else the persistent tier's newest checkpoint (then DeepSpeed reads
         its real files, see :meth:`resume_point`). A load of a tag the script named (the
@@ -339,7 +341,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
             return self._resumed_from_memory(self._restore_tag(named, resume=True))
         persist_dir = self.config.persist.dir
         on_disk = flushed(persist_dir)[-1] if persist_dir and flushed(persist_dir) else None
-        resumption = self.runtime.restore(disk_version=on_disk["version"] if on_disk else None)
+        resumption = self.runtime.restore(disk_version=on_disk["version"] if on_disk else None, into=into)
         if resumption.source == MEMORY:
             self._resumed_from_memory(resumption.restored)
         elif resumption.source == DISK:

@@ -4,7 +4,7 @@ engine, which only the JSON config names (tests/test_deepspeed_json_switch.py).
     python -m tests.stock_deepspeed_train --config CONFIG.json --save-dir DIR --iters N --out DIR
         [--save-16bit DIR] [--also-save-to DIR]
         [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-all|torch-load-in-worker]
-        [--read-back-tag TAG]
+        [--read-back-tag TAG] [--reload]
 
 Each step's loss (as float hex) and the final weights go to ``--out``; it saves after
 every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the end,
@@ -15,6 +15,8 @@ to ``--out``: DeepSpeed's zero_to_fp32 in-process (on every rank, or on rank 0 o
 or ``torch.load`` of the rank's model-states file by path (its module, or every tensor
 in it), in the rank itself or in a forked worker process (as DeepSpeed's ds_to_universal
 reads files). ``--read-back-tag`` reads that tag's files instead of the newest's.
+``--reload`` takes one more step past the newest checkpoint and loads it again mid-run,
+without the optimizer's states and then with them (:func:`reload`).
 """
 import argparse
 import concurrent.futures
@@ -42,6 +44,7 @@ def main() -> None:
                    choices=("zero_to_fp32", "zero_to_fp32-on-rank-0", "torch-load", "torch-load-all",
                             "torch-load-in-worker"))
     p.add_argument("--read-back-tag", default=None)
+    p.add_argument("--reload", action="store_true")
     args = p.parse_args()
     with open(args.config) as f:
         config = json.load(f)
@@ -68,6 +71,9 @@ def main() -> None:
             engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1})
     torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()},
                os.path.join(args.out, f"rank{rank}.final.pt"))
+    if args.reload:
+        for optimizer_states in (False, True):
+            reload(engine, args.save_dir, optimizer_states, args.out)
     if args.save_16bit:
         print(f"rank {rank}: save_16bit_model returned {engine.save_16bit_model(args.save_16bit)}", flush=True)
         # Ranks leave the export together: rank 0 still writes it when rank 1 returns, and a
@@ -81,6 +87,36 @@ def main() -> None:
         read_back(args.read_back, engine, args.save_dir, args.read_back_tag,
                   os.path.join(args.out, f"rank{rank}.read-back.pt"))
     torch.distributed.destroy_process_group()  # as PyTorch asks: no group's threads left to end at exit
+
+
+def reload(engine, save_dir: str, optimizer_states: bool, out: str) -> None:
+    """One more step past the newest checkpoint (the optimizer's state moves on), then
+    ``load_checkpoint(save_dir, load_optimizer_states=...)`` again. What the ZeRO optimizer
+    holds after it goes to ``out``; the log says how many of its tensors are still the
+    objects it held before the load."""
+    rank = torch.distributed.get_rank()
+    data = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 16, generator=data), torch.randn(4, 16, generator=data)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    before = optimizer_tensors(engine)
+    engine.load_checkpoint(save_dir, load_optimizer_states=optimizer_states)
+    after = optimizer_tensors(engine)
+    kept = sum(after[k] is before.get(k) for k in after)
+    name = "with" if optimizer_states else "without"
+    torch.save({k: v.detach().clone() for k, v in after.items()},
+               os.path.join(out, f"rank{rank}.reload-{name}-optimizer-states.pt"))
+    print(f"rank {rank}: reloaded {name} optimizer states; {kept} of {len(after)} optimizer tensors kept in place",
+          flush=True)
+
+
+def optimizer_tensors(engine) -> dict:
+    """The ZeRO-1/2 optimizer's fp32 partitions and its torch optimizer's state, by name."""
+    zero = engine.optimizer
+    found = {f"fp32.{i}": t for i, t in enumerate(zero.single_partition_of_fp32_groups)}
+    for index, state in zero.optimizer.state_dict()["state"].items():
+        found.update({f"state.{index}.{key}": value for key, value in state.items() if torch.is_tensor(value)})
+    return found
 
 
 def read_back(how: str, engine, save_dir: str, tag, out: str) -> None:

@@ -161,6 +161,34 @@ def test_a_load_mid_run_after_a_resume_loads_the_newest_checkpoint(shm_dir, tmp_
     assert_same_training(job.out, ref.out, world, ITERS)
 
 
+def test_a_reload_restores_into_the_optimizer_s_own_tensors_only_where_deepspeed_loads_them(shm_dir, tmp_path):
+    """ftmem restores a version straight into the tensors DeepSpeed would copy it into (the
+    ZeRO optimizer's fp32 partitions and Adam state, the module's weights), but only where
+    the load overwrites them anyway. Mid-run, one step past the newest checkpoint, that
+    checkpoint is loaded without the optimizer's states and then with them: the optimizer
+    then holds, bitwise, what it holds with the default engine (without: the moments of the
+    step after the save, untouched), and with them ftmem kept every tensor in place."""
+    config, stock = config_pair("zero1.json", shm_dir, ec={"k": 1, "m": 1})
+    world, got = 2, {}
+    for name, cfg, env in (("reference", stock, STOCK_ENV), ("ftmem", config, ENV)):
+        run = stock_script(tmp_path, name, cfg, env, world, job_id(), 3, "--reload")
+        assert run.wait(TIMEOUT) == [0] * world, run.log(0)[-5000:]
+        for rank in range(world):
+            for how in ("without", "with"):
+                got[name, rank, how] = torch.load(str(tmp_path / name / f"rank{rank}.reload-{how}-optimizer-states.pt"))
+            kept = [int(line.split(";")[1].split()[0]) for line in run.log(rank).splitlines()
+                    if line.startswith(f"rank {rank}: reloaded with optimizer states;")]
+            assert len(kept) == 1, run.log(rank)[-3000:]
+            in_place = kept[0] == len(got[name, rank, "with"])
+            assert in_place == (name == "ftmem"), run.log(rank)[-3000:]  # torch.load hands out new tensors
+    for rank in range(world):
+        for how in ("without", "with"):
+            mine, theirs = got["ftmem", rank, how], got["reference", rank, how]
+            assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs), (rank, how)
+    assert any(not torch.equal(got["ftmem", 0, "without"][k], got["ftmem", 0, "with"][k])
+               for k in got["ftmem", 0, "with"] if k.startswith("state."))  # the two loads differ where they should
+
+
 def test_a_load_of_an_older_tag_resumes_that_checkpoint_with_its_own_rng(shm_dir, tmp_path):
     """load_checkpoint(save_dir, tag) of a tag older than memory's newest version. ftmem
     restored its newest version first, put back that version's RNG and logged it as
