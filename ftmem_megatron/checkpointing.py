@@ -28,11 +28,11 @@ from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, ConfigError, LayoutMismatch, NotRecoverableFromMemory, ParallelLayout,
-                   RestoreTimes, Resumption, SaveHandle, gather_dp_groups, rank_info)
+                   RestoreTargets, RestoreTimes, Resumption, SaveHandle, gather_dp_groups, rank_info)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
-from .sharded_state import from_snapshot, replicated_paths, tensors_at, to_snapshot
+from .sharded_state import from_snapshot, local_tensors, replicated_paths, tensors_at, to_snapshot
 from .torch_checkpoint import RELEASE, read_tracker
 
 # Args a resumed job must share with the one that saved (beyond the parallel layout,
@@ -187,22 +187,33 @@ class MegatronCheckpointer:
 
     def load(self, model, optimizer, opt_param_scheduler, args) -> Optional[tuple[int, Any]]:
         on_disk = disk_iteration(args.load)
-        resumption = self._resumption(args, on_disk)
-        self._memory_failed = resumption.reason
-        if resumption.source != MEMORY:
-            return None
-        restored = resumption.restored
-        state = restored.state
         model = model if isinstance(model, list) else [model]
         scope = LoadScope.of(args)
         # An optimizer left as built is not asked for its state: building a load's template
         # gives it (empty) state.
         kept_optimizer, optimizer = optimizer, (optimizer if scope.optimizer else None)
+        templates = []
+
+        def targets(saved: Any) -> Optional[dict]:
+            """The load's template, built before the restore copies, so that it copies into
+            the template's tensors (which the model's and optimizer's loads then take as
+            they are): only for a version this load will take (its args fit)."""
+            if _args_mismatch(saved["args"], args, scope) is not None:
+                return None
+            templates.append(_sharded_state(model, optimizer, is_loading=True))
+            return {"sharded": local_tensors(templates[0], saved["places"])}
+
+        resumption = self._resumption(args, on_disk, targets)
+        self._memory_failed = resumption.reason
+        if resumption.source != MEMORY:
+            return None
+        restored = resumption.restored
+        state = restored.state
         try:
             problem = _args_mismatch(state["args"], args, scope)
             if problem is None:
-                filled = from_snapshot(_sharded_state(model, optimizer, is_loading=True), state["sharded"],
-                                       state["places"])
+                template = templates[0] if templates else _sharded_state(model, optimizer, is_loading=True)
+                filled = from_snapshot(template, state["sharded"], state["places"])
         except LayoutMismatch as e:
             problem = str(e)
         problem = self.runtime.agree(problem)
@@ -228,11 +239,12 @@ class MegatronCheckpointer:
         self.runtime.resumed_from_memory(restored, rng=scope.rng, detail=scope.detail)
         return (state["iteration"] if scope.progress else 0), state["num_floating_point_operations_so_far"]
 
-    def _resumption(self, args, on_disk: int) -> Resumption:
-        """Memory's newest version; with ``--ckpt-step N``, version N or the disk's iteration N."""
+    def _resumption(self, args, on_disk: int, into: RestoreTargets) -> Resumption:
+        """Memory's newest version (restored into the tensors ``into`` names); with
+        ``--ckpt-step N``, version N or the disk's iteration N."""
         step = getattr(args, "ckpt_step", None)
         if step is None:
-            return self.runtime.restore(disk_version=on_disk if on_disk >= 0 else None)
+            return self.runtime.restore(disk_version=on_disk if on_disk >= 0 else None, into=into)
         try:
             return Resumption(MEMORY, restored=self.runtime.restore_named(step))
         except LayoutMismatch as e:  # held, but for another layout or EC geometry

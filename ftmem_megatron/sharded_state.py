@@ -115,6 +115,24 @@ def from_snapshot(template: Any, data: Any, places: dict[str, Place]) -> Any:
     return apply_factory_merges(walk(template, data, ()), factories)
 
 
+def local_tensors(template: Any, places: dict[str, Any]) -> Any:
+    """The local tensors of ``template`` (sharded state dicts built for loading), in the
+    structure of a snapshot's data, as far as each sits at the place the snapshot recorded
+    for its path: the tensors a restore may write straight into (:mod:`ftmem.destinations`),
+    which :func:`from_snapshot` then finds holding their values. Factories are left as they
+    are (not applied), and what they would build is not named."""
+    def walk(node, path):
+        if isinstance(node, ShardedTensor):
+            return node.data if places.get(_path(path)) == Place.of(node) else None
+        if isinstance(node, dict):
+            return {k: walk(v, path + (k,)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [walk(v, path + (i,)) for i, v in enumerate(node)]
+        return None
+
+    return walk(template, ())
+
+
 def _holds_sharded(node) -> bool:
     if isinstance(node, (ShardedTensor, ShardedObject)):
         return True
