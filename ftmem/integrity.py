@@ -15,26 +15,45 @@ as a lost shard (rebuilt from parity, or an older version used), never as data.
 """
 from __future__ import annotations
 
-from typing import Callable
+import os
+from typing import Callable, Optional
+
+import torch
 
 from .checksum import checksum, data_checksum
 from .errors import CorruptShard
 from .slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore
 
 
+# A rank's own mapping of its slot files (:meth:`ftmem.slot_memory.SlotMemory.bytes_of`):
+# restore checks a version's bytes through the mapping it then copies them out of, so each
+# page is mapped in once, not once per pass plus an unmap.
+SlotMapping = Callable[[int, str], torch.Tensor]
+
+
 def _checksums(store: RankStore, slot: int, kind: str, spans: list[tuple[int, int]], what: str,
-               digest: Callable[[memoryview], str] = checksum) -> list[str]:
-    """The ``digest`` of each (start, end) span of a slot file; CorruptShard if the file is
-    missing, empty or shorter than the spans."""
+               digest: Callable[[memoryview], str] = checksum, mapping: Optional[SlotMapping] = None) -> list[str]:
+    """The ``digest`` of each (start, end) span of a slot file, read through ``mapping`` if
+    given, else through a mapping of its own; CorruptShard if the file is missing, empty or
+    shorter than the spans."""
     path = store.slot_path(slot, kind)
     end = max(e for _, e in spans)
     try:
+        if mapping is not None:
+            mapped = mapping(slot, kind).numpy()
+            # A mapping made earlier in this process may outlast a truncation of its file.
+            _enough(min(len(mapped), os.stat(path).st_size), end, path, what)
+            return [digest(mapped[start:stop]) for start, stop in spans]
         with store.map_slot(slot, writable=False, kind=kind) as mm, memoryview(mm) as whole:
-            if len(whole) < end:
-                raise CorruptShard(f"{what}: {path} holds {len(whole)} bytes, fewer than the {end} written.")
+            _enough(len(whole), end, path, what)
             return [digest(whole[start:stop]) for start, stop in spans]
     except (OSError, ValueError) as e:  # missing, or empty (mmap refuses a zero-length file)
         raise CorruptShard(f"{what}: {path} cannot be read ({e}).") from e
+
+
+def _enough(length: int, end: int, path: str, what: str) -> None:
+    if length < end:
+        raise CorruptShard(f"{what}: {path} holds {length} bytes, fewer than the {end} written.")
 
 
 def verify(store: RankStore, version: int) -> CommitRecord:
@@ -43,21 +62,21 @@ def verify(store: RankStore, version: int) -> CommitRecord:
     return check_data(store, store.read_commit(version))
 
 
-def check_data(store: RankStore, record: CommitRecord) -> CommitRecord:
+def check_data(store: RankStore, record: CommitRecord, mapping: Optional[SlotMapping] = None) -> CommitRecord:
     """``record`` (read from an intact marker) if the slot bytes match its checksum; CorruptShard if not."""
     what = f"rank {store.rank} version {record.version}"
-    (data,) = _checksums(store, record.slot, DATA, [(0, record.plan.nbytes)], what, data_checksum)
+    (data,) = _checksums(store, record.slot, DATA, [(0, record.plan.nbytes)], what, data_checksum, mapping)
     if data != record.checksum:
         raise CorruptShard(f"{what}: data in {store.slot_path(record.slot)} does not match its checksum.")
     return record
 
 
-def check_parity(store: RankStore, record: ParityRecord) -> ParityRecord:
+def check_parity(store: RankStore, record: ParityRecord, mapping: Optional[SlotMapping] = None) -> ParityRecord:
     """``record`` (read from an intact marker) if its pieces match their checksums; CorruptShard if not."""
     what = f"rank {store.rank} version {record.version}"
     piece = record.piece_size
     spans = [(i * piece, (i + 1) * piece) for i in range(len(record.checksums))]
-    for i, (got, expected) in enumerate(zip(_checksums(store, record.slot, PARITY, spans, what), record.checksums)):
+    for i, (got, expected) in enumerate(zip(_checksums(store, record.slot, PARITY, spans, what, mapping=mapping), record.checksums)):
         if got != expected:
             raise CorruptShard(f"{what}: parity piece {i} in {store.slot_path(record.slot, PARITY)} does not match "
                                f"its checksum.")

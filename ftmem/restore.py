@@ -178,13 +178,13 @@ class Restorer:
         damaged = False
         try:
             if version in data:
-                integrity.check_data(self.store, data[version])
+                integrity.check_data(self.store, data[version], self.memory.bytes_of)
         except CorruptShard as e:
             self._lose_data(version, e, data, parity)
             damaged = True
         try:
             if parity_needed and version in parity:
-                integrity.check_parity(self.store, parity[version])
+                integrity.check_parity(self.store, parity[version], self.memory.bytes_of)
         except CorruptShard as e:
             self._lose_parity(version, e, parity)
             damaged = True
