@@ -35,7 +35,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -233,34 +233,47 @@ def _to_json(value: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _field_types(kind: type) -> dict[str, Any]:
-    """A record class's fields and their types (resolved once: a plan has an entry per tensor)."""
-    return typing.get_type_hints(kind)
-
-
-def _from_json(kind: Any, value: Any) -> Any:
-    """``value`` (parsed JSON) as an instance of the type hint ``kind``; ValueError if it is not one."""
+def _decoder(kind: Any) -> Callable[[Any], Any]:
+    """The function that turns parsed JSON into an instance of the type hint ``kind``
+    (ValueError if it is not one). Built once per hint: a record holds an entry per tensor,
+    and asking ``typing`` about each value's hint again took most of a restart's reading
+    of its markers."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is typing.Union:  # Optional[X]
-        return None if value is None else _from_json(next(a for a in args if a is not type(None)), value)
+        inner = _decoder(next(a for a in args if a is not type(None)))
+        return lambda value: None if value is None else inner(value)
     if dataclasses.is_dataclass(kind):
-        hints = _field_types(kind)
-        if not isinstance(value, dict) or not set(value) <= set(hints):
-            raise ValueError(f"{kind.__name__} needs an object with the keys {sorted(hints)}, got {value!r:.200}")
-        return kind(**{name: _from_json(hints[name], v) for name, v in value.items()})
+        fields = {name: _decoder(hint) for name, hint in typing.get_type_hints(kind).items()}
+
+        def instance(value: Any) -> Any:
+            if not isinstance(value, dict) or not value.keys() <= fields.keys():
+                raise ValueError(f"{kind.__name__} needs an object with the keys {sorted(fields)}, got {value!r:.200}")
+            return kind(**{name: fields[name](v) for name, v in value.items()})
+        return instance
     if origin is tuple:
-        if not isinstance(value, list):
-            raise ValueError(f"expected a list, got {value!r:.200}")
-        kinds = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
-        if len(kinds) != len(value):
-            raise ValueError(f"expected {len(kinds)} items, got {len(value)}")
-        return tuple(_from_json(k, v) for k, v in zip(kinds, value))
-    if kind is bytes and isinstance(value, str):
-        return value.encode("latin-1")
-    if kind is torch.dtype and isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
-        return getattr(torch, value)
-    if kind in (int, str, bool) and type(value) is kind:
-        return value
+        each = _decoder(args[0]) if args[-1] is Ellipsis else None
+        items = None if each else [_decoder(a) for a in args]
+
+        def items_of(value: Any) -> tuple:
+            if not isinstance(value, list):
+                raise ValueError(f"expected a list, got {value!r:.200}")
+            if each:
+                return tuple(map(each, value))
+            if len(items) != len(value):
+                raise ValueError(f"expected {len(items)} items, got {len(value)}")
+            return tuple(decode(v) for decode, v in zip(items, value))
+        return items_of
+    if kind is bytes:
+        return lambda value: value.encode("latin-1") if isinstance(value, str) else _not_a(kind, value)
+    if kind is torch.dtype:
+        return lambda value: (getattr(torch, value) if isinstance(value, str) and
+                              isinstance(getattr(torch, value, None), torch.dtype) else _not_a(kind, value))
+    if kind in (int, str, bool):
+        return lambda value: value if type(value) is kind else _not_a(kind, value)
+    raise TypeError(f"records cannot hold a {kind!r}")
+
+
+def _not_a(kind: Any, value: Any):
     raise ValueError(f"expected {getattr(kind, '__name__', kind)}, got {value!r:.200}")
 
 
@@ -278,7 +291,7 @@ def decode_record(kind: type, payload: bytes) -> Any:
         raise ValueError(f"not an ftmem record ({e})") from e
     if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT or doc.get("type") != kind.__name__:
         raise ValueError(f"not an ftmem {kind.__name__} of format {RECORD_FORMAT}")
-    return _from_json(kind, doc.get("fields"))
+    return _decoder(kind)(doc.get("fields"))
 
 
 def _marker(record) -> bytes:
