@@ -106,6 +106,11 @@ class Codec:
             dst_ptrs = (ctypes.c_void_p * len(outputs))(*(dst + start).tolist())
             lib.ec_encode_data(n, self.k, rows, tbl, src_ptrs, dst_ptrs)
 
+    def copies(self, q: int) -> bool:
+        """Whether parity piece ``q`` is a copy of the one data piece (k = 1 with coefficient
+        1, as under m = 1): a holder may then receive it straight into place, encoding nothing."""
+        return self.k == 1 and int(self.matrix[1 + q, 0]) == 1
+
     def encode(self, data: Sequence[np.ndarray], parity: Sequence[np.ndarray]) -> None:
         """Write the m parity pieces of k data pieces into ``parity``."""
         if len(data) != self.k or len(parity) != self.m:

@@ -223,19 +223,22 @@ class ColumnCoder:
         outgoing = sorted((mv for mv in moves if mv[0] == pos), key=lambda mv: mv[1])
         incoming = sorted((mv for mv in moves if mv[1] == pos), key=lambda mv: mv[0])
         held = g.parity_held(pos)
+        # A member that holds one piece's copy as its parity (k = 1, as with 2 nodes and
+        # m = 1) receives it straight into its parity slot.
+        into_parity = len(incoming) == 1 and len(held) == 1 and self.codec.copies(held[0][1])
         # In rounds of at most EXCHANGE_CHUNK bytes per move: staging memory stays
         # bounded whatever the state size, and each round's pieces are still in cache
         # when they are encoded.
         for start in range(0, piece, EXCHANGE_CHUNK):
             width = min(EXCHANGE_CHUNK, piece - start)
-            send = self._buffer("send", len(outgoing) * width)
-            send_np = send.numpy()
-            for i, (_, _, _, _, p) in enumerate(outgoing):
-                self._put_piece(send_np[i * width : (i + 1) * width], data, lengths[pos], p * piece + start, width)
-            recv = self._buffer("recv", len(incoming) * width)
+            send = self._outgoing(outgoing, data, lengths[pos], piece, start, width)
+            recv = torch.from_numpy(parity[start : start + width]) if into_parity else \
+                self._buffer("recv", len(incoming) * width)
             self._all_to_all(recv, send, incoming, outgoing, width)
             if start == 0:  # the crash tests' "mid-exchange": pieces moved, no parity encoded or recorded yet
                 testhooks.at("mid_exchange", record.rank, record.version)
+            if into_parity:
+                continue
             recv_np = recv.numpy()
             at = {(stripe, q, p): i * width for i, (_, _, stripe, q, p) in enumerate(incoming)}
             for i, (stripe, q) in enumerate(held):
@@ -244,6 +247,19 @@ class ColumnCoder:
         sums = [checksum(parity[i * piece : (i + 1) * piece]) for i in range(len(held))]
         return ParityRecord(version=record.version, slot=record.slot, k=g.k, m=g.m, nodes=g.nodes,
                             piece_size=piece, lengths=tuple(lengths), records=tuple(records), checksums=tuple(sums))
+
+    def _outgoing(self, outgoing: list, data: np.ndarray, length: int, piece: int, start: int,
+                  width: int) -> torch.Tensor:
+        """This round's bytes to send, laid out by peer: the slot's own bytes where one move
+        goes out and lies within the data; else staged, zeros past the data's ``length``."""
+        if len(outgoing) == 1 and outgoing[0][4] * piece + start + width <= length:
+            at = outgoing[0][4] * piece + start
+            return torch.from_numpy(data[at : at + width])
+        send = self._buffer("send", len(outgoing) * width)
+        send_np = send.numpy()
+        for i, (_, _, _, _, p) in enumerate(outgoing):
+            self._put_piece(send_np[i * width : (i + 1) * width], data, length, p * piece + start, width)
+        return send
 
     def encode_again(self, record: CommitRecord, data: np.ndarray) -> tuple[ParityRecord, np.ndarray]:
         """This member's parity of ``record``'s version, encoded again from the column's
