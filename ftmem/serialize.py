@@ -1,7 +1,7 @@
 """Split a rank's state into a small pickled skeleton and the list of its tensors.
 
-Tensor data is never pickled: the skeleton holds a reference (an index) in place of
-each tensor, through pickle's persistent-id hook, the same way ``torch.save`` keeps
+Tensor data is never pickled: the skeleton holds a reference (a call of
+:func:`tensor_reference` with an index) in place of each tensor, as ``torch.save`` keeps
 storages out of its pickle. Any picklable structure works (dicts, lists, tuples,
 dataclasses, OrderedDicts, ...). A tensor that appears twice — the same object, or
 another view of exactly the same elements (``p.detach()`` beside ``p``, as a
@@ -29,8 +29,6 @@ import torch
 import torch._weights_only_unpickler as weights_only
 
 from .errors import UnadmittedType, UnsupportedTensor
-
-_TENSOR_REF = "ftmem.tensor"
 
 # Plain types a state holds beyond what torch's weights_only list has: containers and
 # scalars, argparse.Namespace (Megatron's args), numpy arrays (numpy's RNG state) under
@@ -86,33 +84,36 @@ def _check_plain_tensor(t: torch.Tensor) -> None:
         )
 
 
+def tensor_reference(index: int) -> Any:
+    """What a skeleton calls, by this name, in place of the tensor at ``index``. Only a
+    skeleton's own unpickler answers the call (with the tensor); called otherwise, it says so."""
+    raise pickle.UnpicklingError(f"tensor reference {index} is an ftmem skeleton's: load it with ftmem.serialize")
+
+
+_TENSOR_REFERENCE = f"{tensor_reference.__module__}.{tensor_reference.__qualname__}"
+
+
 class _SkeletonPickler(pickle.Pickler):
+    # A tensor is reduced to a call of tensor_reference(index). reducer_override runs for
+    # objects of non-builtin types only, and once per object (pickle's memo answers a
+    # tensor met again), where a persistent_id hook would run for every object of the
+    # state: at ~1,700 tensors and ~20,000 other objects a save, that was most of the
+    # training loop's wait in the save call.
     def __init__(self, buf: io.BytesIO):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
         self._index_of: dict[tuple, int] = {}
-        # A tensor object met again (a state holds the same ones under two names) is not
-        # checked twice: at ~1,700 tensors a save, that work is the training loop's wait.
-        # Each entry holds its object, so that no id is reused during the dump (a
-        # __reduce__ may hand over a temporary tensor).
-        self._seen: dict[int, tuple[int, torch.Tensor]] = {}
 
-    def persistent_id(self, obj: Any):
+    def reducer_override(self, obj: Any):
         if not isinstance(obj, torch.Tensor):
-            return None
-        seen = self._seen.get(id(obj))
-        if seen is None:
-            seen = self._seen[id(obj)] = (self._index(obj), obj)
-        return (_TENSOR_REF, seen[0])
-
-    def _index(self, obj: torch.Tensor) -> int:
+            return NotImplemented
         _check_plain_tensor(obj)
         key = _elements(obj)
         index = self._index_of.get(key)
         if index is None:
             index = self._index_of[key] = len(self.tensors)
             self.tensors.append(obj)
-        return index
+        return tensor_reference, (index,)
 
 
 def _elements(t: torch.Tensor) -> tuple:
@@ -133,16 +134,12 @@ class _SkeletonUnpickler(pickle.Unpickler):
         self._when = when
 
     def find_class(self, module: str, name: str) -> Any:
+        if f"{module}.{name}" == _TENSOR_REFERENCE:
+            return self._tensors.__getitem__
         found = self._admitted.get(f"{module}.{name}")
         if found is None:
             raise _unadmitted(f"{module}.{name}", self._when)
         return found
-
-    def persistent_load(self, pid: Any):
-        kind, index = pid
-        if kind != _TENSOR_REF:
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r} in an ftmem skeleton")
-        return self._tensors[index]
 
 
 def split_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:

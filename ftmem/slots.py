@@ -50,7 +50,8 @@ DATA, PARITY = "slot", "parity"
 _MARKER_RE = re.compile(r"^rank(\d{5})\.v(\d{12})\.s(\d)\.(commit|parity)$")
 # Bumped whenever a record's fields change meaning: a reader refuses what it does not know.
 # 2: a commit record's checksum is ftmem.checksum.data_checksum (of chunks), no longer one xxh3.
-RECORD_FORMAT = 2
+# 3: a skeleton names each tensor by a call of ftmem.serialize.tensor_reference, no longer by a persistent id.
+RECORD_FORMAT = 3
 
 
 @dataclass(frozen=True)
