@@ -39,7 +39,7 @@ from .ownership import refuse_another_node_layout, refuse_foreign_versions
 from .parallel import ParallelLayout, destroy_groups, make_dp_groups
 from .persist import Flusher
 from .placement import ec_groups
-from .plan import SnapshotPlan
+from .plan import Planner
 from .protect import ColumnCoder, Topology, make_column_groups, piece_size
 from .restore import DataParallelPeers, Restored, Restorer
 from .serialize import split_state
@@ -128,6 +128,7 @@ class SnapshotEngine:
                                     lambda record, slot_bytes: self._restorer.read_version(record, slot_bytes,
                                                                                            torch.device("cpu")))
         self._inflight: Optional[SaveHandle] = None
+        self._planner = Planner()
         self.protected: Optional[int] = None  # the newest version saved and protected, or resumed from
         self._closed = False
 
@@ -161,7 +162,7 @@ class SnapshotEngine:
         skeleton, tensors = split_state(state)
         flags = [bool(replicated(t)) for t in tensors] if (self._dp_shard and replicated) else None
         replica = (self.dp_peers.ranks.index(self.rank), len(self.dp_peers.ranks))
-        plan = SnapshotPlan.for_tensors(tensors, flags, replica)
+        plan = self._planner.plan(tensors, flags, replica)
         self.memory.reserve(plan.nbytes, self._parity_estimate(plan.nbytes))
         self.store.drop_from(version)
         slot = self.store.free_slot()

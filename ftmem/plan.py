@@ -85,3 +85,20 @@ class SnapshotPlan:
                              end=stream_offset * (index + 1) // count, stream_nbytes=stream_offset,
                              index=index, count=count)
         return cls(entries=tuple(entries), nbytes=slot_offset + _aligned(shard.nbytes), shard=shard)
+
+
+class Planner:
+    """Plans one rank's saves, and reuses the last plan while every tensor keeps its dtype,
+    shape and kind (as from one save of a training loop to the next): a plan depends on
+    nothing else, and planning ~1,700 tensors anew took ~5 ms of the save call on a GPU host."""
+
+    def __init__(self):
+        self._last: Optional[tuple[tuple, SnapshotPlan]] = None
+
+    def plan(self, tensors: Sequence[torch.Tensor], replicated: Optional[Sequence[bool]],
+             replica: tuple[int, int]) -> SnapshotPlan:
+        key = (replica, None if replicated is None else tuple(replicated),
+               tuple((t.dtype, t.shape, type(t) is torch.nn.Parameter, t.requires_grad) for t in tensors))
+        if self._last is None or self._last[0] != key:
+            self._last = (key, SnapshotPlan.for_tensors(tensors, replicated, replica))
+        return self._last[1]
