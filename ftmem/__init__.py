@@ -10,6 +10,7 @@ from .errors import (CollectiveNotJoined, ConfigError, CorruptShard, EcGeometryM
                      JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion, NotRecoverableFromMemory, ShmBudgetError,
                      SmpError, UnadmittedType, UnsafeSharedMemory, UnsupportedTensor)
 from .format import FrameworkFormat
+from .gc_deferral import collection_deferred
 from .handle import SaveHandle
 from .logs import job_info, rank_info, restored_from_disk, restored_from_memory
 from .ownership import ForeignVersions
@@ -27,7 +28,7 @@ __all__ = [
     "rng_states", "set_rng_states",
     # the adapter seam and runtime
     "FrameworkFormat", "AdapterRuntime", "Resumption", "MEMORY", "DISK", "SCRATCH", "check_startup", "RestoreTargets",
-    "TensorPlace",
+    "TensorPlace", "collection_deferred",
     "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins",
     # logging and the contract lines
     "job_info", "rank_info", "restored_from_memory", "restored_from_disk",

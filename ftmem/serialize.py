@@ -29,6 +29,7 @@ import torch
 import torch._weights_only_unpickler as weights_only
 
 from .errors import UnadmittedType, UnsupportedTensor
+from .gc_deferral import collection_deferred
 
 # Plain types a state holds beyond what torch's weights_only list has: containers and
 # scalars, argparse.Namespace (Megatron's args), numpy arrays (numpy's RNG state) under
@@ -147,11 +148,12 @@ def split_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     holds an object that a restore would refuse to load."""
     buf = io.BytesIO()
     pickler = _SkeletonPickler(buf)
-    pickler.dump(state)
-    skeleton = buf.getvalue()
-    # Loaded as a restore will load it (with no tensors behind the references): the same
-    # check, so that what a save accepts a restore accepts.
-    _SkeletonUnpickler(io.BytesIO(skeleton), [None] * len(pickler.tensors), "the state to save").load()
+    with collection_deferred():  # a save's pickling makes tens of thousands of short-lived objects
+        pickler.dump(state)
+        skeleton = buf.getvalue()
+        # Loaded as a restore will load it (with no tensors behind the references): the same
+        # check, so that what a save accepts a restore accepts.
+        _SkeletonUnpickler(io.BytesIO(skeleton), [None] * len(pickler.tensors), "the state to save").load()
     return skeleton, pickler.tensors
 
 

@@ -28,7 +28,8 @@ from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, ConfigError, LayoutMismatch, NotRecoverableFromMemory, ParallelLayout,
-                   RestoreTargets, RestoreTimes, Resumption, SaveHandle, gather_dp_groups, rank_info)
+                   RestoreTargets, RestoreTimes, Resumption, SaveHandle, collection_deferred, gather_dp_groups,
+                   rank_info)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
@@ -153,25 +154,26 @@ class MegatronCheckpointer:
                                  "the distributed optimizer; Megatron's own save_checkpoint writes the others.")
         self.runtime.make_step_wait(optimizer)
         model = model if isinstance(model, list) else [model]
-        data, places = to_snapshot(_sharded_state(model, optimizer, is_loading=False))
-        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        shared = tensors_at(data, replicated_paths(places, dp_group))
-        replicated = {id(t) for t in shared}
-        if not self._described:
-            self._described = True
-            self._describe(data, shared, dist.get_world_size(dp_group))
-        state = {
-            "sharded": data,
-            "places": places,
-            "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
-            "iteration": iteration,
-            "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
-            "args": {name: getattr(args, name, None) for name in COMPATIBILITY_ARGS},
-            "progress": {name: getattr(args, name) for name in PROGRESS_ARGS if hasattr(args, name)},
-            # After "sharded": its tensors are the same ones, stored once, with the flags above.
-            "torch_format": torch_format(unwrap_model(model), optimizer, args, persistent),
-        }
-        handle = self.runtime.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent)
+        with collection_deferred():  # megatron-core's sharded state dicts are tens of thousands of objects
+            data, places = to_snapshot(_sharded_state(model, optimizer, is_loading=False))
+            dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            shared = tensors_at(data, replicated_paths(places, dp_group))
+            replicated = {id(t) for t in shared}
+            if not self._described:
+                self._described = True
+                self._describe(data, shared, dist.get_world_size(dp_group))
+            state = {
+                "sharded": data,
+                "places": places,
+                "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+                "iteration": iteration,
+                "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
+                "args": {name: getattr(args, name, None) for name in COMPATIBILITY_ARGS},
+                "progress": {name: getattr(args, name) for name in PROGRESS_ARGS if hasattr(args, name)},
+                # After "sharded": its tensors are the same ones, stored once, with the flags above.
+                "torch_format": torch_format(unwrap_model(model), optimizer, args, persistent),
+            }
+            handle = self.runtime.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent)
         if any(getattr(args, name, False) for name in WRITES_BEFORE_STEP):
             self.runtime.wait_reusable()
         return handle

@@ -155,6 +155,8 @@ def replicated_paths(places: dict[str, Place], dp_group) -> set[str]:
 
 def tensors_at(data: Any, paths: Optional[set[str]]) -> list[torch.Tensor]:
     """The tensors of a snapshot tree (from :func:`to_snapshot`) at ``paths`` (all if None)."""
+    if paths is not None and not paths:
+        return []  # at every save of a job without DP replicas: no walk
     found = []
 
     def walk(node, path):

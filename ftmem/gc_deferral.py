@@ -1,0 +1,29 @@
+"""Keep Python's cyclic garbage collector out of a save call.
+
+A save builds tens of thousands of short-lived objects (megatron-core's sharded state
+dicts, the skeleton's pickle). With the collector on, every collection during the call
+moves the ones still alive into an older generation, and the count of objects moved there
+is what triggers a full collection of the training process (about 0.1 s) every few saves.
+With it off for the call, they die by reference counting when the call returns and are
+never moved. Measured on a 20-layer megatron-core GPT, 35 iterations with a save after each:
+498 collections taking 171 ms (one full), against 140 taking 14 ms with the call deferred.
+Megatron-LM's ``--manual-gc`` turns the collector off for the same reason; then this does nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def collection_deferred() -> Iterator[None]:
+    """The block runs with the collector off, if it was on; it is on again after."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
