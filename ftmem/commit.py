@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import testhooks
 from .checksum import data_checksum
-from .copier import copy_into_slot
+from .copier import SlotWindows, copy_into_slot
 from .errors import FtmemError
 from .handle import SaveHandle
 from .logs import job_info
@@ -47,6 +47,7 @@ class Committer:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftmem-copy")
         self._last: Optional[Future] = None  # the last save's task (it never raises: errors go to its handle)
         self._side_streams: dict = {}  # CUDA device -> the stream device-to-host copies run on
+        self._windows = SlotWindows()
 
     @property
     def rank(self) -> int:
@@ -63,6 +64,7 @@ class Committer:
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
+        self._windows.clear()
 
     def forget_groups(self) -> None:
         """The engine closed and destroyed its groups: hold none of them, the tier's included."""
@@ -75,7 +77,8 @@ class Committer:
         version = record.version
         try:
             self.store.drop_slot(record.slot)  # what the slot held becomes invisible first
-            copy_into_slot(slot_bytes, tensors, record.plan, cuda_ready, self._side_streams,
+            windows = self._windows.of(record.slot, slot_bytes, record.plan)
+            copy_into_slot(windows, tensors, cuda_ready, self._side_streams,
                            halfway=lambda: testhooks.at("mid_copy", self.rank, version))
             # Reusable before the checksum: the source tensors are not read again, so the
             # optimizer step waits for the copy only, never for the checksum.
