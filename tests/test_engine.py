@@ -17,6 +17,7 @@ from conftest import flip_byte, job_id, run_cli
 from ftmem import (ConfigError, CorruptShard, FrameworkFormat, LayoutMismatch, NoRecoverableVersion, ParallelLayout,
                    ShmBudgetError, SnapshotEngine, TensorPlace, UnsupportedTensor, flushed, integrity)
 from ftmem.persist import Flusher
+from ftmem.plan import SnapshotPlan
 from ftmem.procs import pid_alive
 from ftmem.smp_client import running_smp
 
@@ -151,6 +152,55 @@ def test_source_may_change_once_reusable_without_touching_the_snapshot(shm_dir):
     handle.wait_committed()
     assert torch.equal(engine.restore().state["w"], expected)
     engine.close(job_finished=True)
+
+
+def test_a_plan_is_reused_only_while_every_tensor_keeps_its_dtype_shape_and_kind(shm_dir, monkeypatch):
+    """The engine reuses a save's plan (and the copy's slot windows) for the next save of the
+    same shapes; any change of a tensor's dtype, shape (in place too), kind or requires_grad, or a
+    state that outgrows its slot (a new mapping), is planned anew: each save restores bitwise."""
+    engine = make_engine(shm_dir)
+    w = torch.arange(24, dtype=torch.float32)
+    p = torch.nn.Parameter(torch.ones(4))
+    changes = [
+        lambda: {"w": w, "p": p},
+        lambda: {"w": w * 2, "p": p},  # new tensors, same plan
+        lambda: {"w": w.view(4, 6), "p": p},  # same bytes, another shape
+        lambda: {"w": w.view(torch.int32), "p": p},  # same bytes, another dtype
+        lambda: {"w": w, "p": p.detach()},  # a Parameter becomes a plain tensor
+        lambda: {"w": w.requires_grad_(True), "p": p},
+        lambda: {"w": w.detach().resize_(6), "p": p},  # changed in place, by the same object
+        lambda: {"w": torch.arange(1 << 20, dtype=torch.float32), "p": p},  # outgrows the slot: a new mapping
+        lambda: {"w": torch.arange(1 << 20, dtype=torch.float32) + 1, "p": p},
+    ]
+    planned = []  # the versions whose save made a plan
+    make_plan = SnapshotPlan.for_tensors.__func__
+    monkeypatch.setattr(SnapshotPlan, "for_tensors",
+                        classmethod(lambda cls, *a: planned.append(version) or make_plan(cls, *a)))
+    for version, make in enumerate(changes, start=1):
+        state = make()
+        engine.save(state, version).wait_committed()
+        assert_same_state(engine.restore(drop_newer=False).state, state)
+    assert planned == [1, 3, 4, 5, 6, 7, 8]  # not for 2 and 9, where nothing changed
+    engine.close(job_finished=True)
+
+
+def test_the_garbage_collector_is_deferred_only_inside_the_block():
+    import gc
+
+    from ftmem import collection_deferred
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collection_deferred():
+        assert not gc.isenabled()
+        raise RuntimeError("a failed save")
+    assert gc.isenabled()
+    gc.disable()  # as under Megatron-LM's --manual-gc: the block leaves it off
+    try:
+        with collection_deferred():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_a_restarted_process_finds_its_versions(shm_dir):
