@@ -109,8 +109,6 @@ def copy_into_slot(
 ) -> None:
     """Copy every tensor into its window of the slot (from :class:`SlotWindows`); returns when
     all bytes are there."""
-    sources = [tensors[i] if part is None else tensors[i].reshape(-1).view(torch.uint8)[part]
-               for i, _, part in windows]
     destinations = [window for _, window, _ in windows]
     half = len(windows) // 2
     # Each device's side stream waits once for the training stream, and is the current
@@ -122,6 +120,9 @@ def copy_into_slot(
             stream = side_streams.setdefault(device, torch.cuda.Stream(device))
             stream.wait_event(ready)
             on_side_streams.enter_context(torch.cuda.stream(stream))
+        # On the side streams, after their wait: a non-contiguous tensor's reshape is a copy.
+        sources = [tensors[i] if part is None else tensors[i].reshape(-1).view(torch.uint8)[part]
+                   for i, _, part in windows]
         _copy(destinations[:half], sources[:half])
         halfway()
         _copy(destinations[half:], sources[half:])
