@@ -38,6 +38,20 @@ def no_leaks_after_suite():
     assert not smps and not dirs, f"the suite leaked SMPs {smps} and shared memory {dirs}"
 
 
+# What each kind of uninterrupted reference run gave, by its arguments (see run_once).
+_REFERENCE_RUNS: dict = {}
+
+
+def run_once(key: tuple, run):
+    """``run()``'s result, run once per session for each ``key``. For the uninterrupted
+    reference runs that bitwise tests compare against: they are deterministic, only read
+    afterwards (their folders stay for the session), and several tests compare against the
+    same one; running each once saves minutes of the suite. A run that fails is not kept."""
+    if key not in _REFERENCE_RUNS:
+        _REFERENCE_RUNS[key] = run()
+    return _REFERENCE_RUNS[key]
+
+
 def new_shm_dir() -> str:
     path = TEST_SHM_PREFIX + uuid.uuid4().hex[:8]
     os.makedirs(path)

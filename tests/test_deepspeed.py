@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import ANY, free_shm_dir, job_id, logged, new_shm_dir, run_cli
+from conftest import ANY, free_shm_dir, job_id, logged, new_shm_dir, run_cli, run_once
 from examples.launch import LocalJob, free_port, wait_until
 from ftmem import jobs, restored_from_disk, restored_from_memory
 from ftmem_deepspeed.checkpoint_engine import is_stub
@@ -54,7 +54,12 @@ class DSJob:
 def reference(config, world, root, env=None, extra=()):
     """An uninterrupted run without ftmem (DeepSpeed's default engine saving every
     step), with the trainer's flags ``extra``; the folder of its per-step losses and
-    final weights."""
+    final weights. Run once per session for the same arguments (``root`` is the first's)."""
+    return run_once(("deepspeed", config, world, tuple(sorted((env or {}).items())), tuple(extra)),
+                    lambda: _reference(config, world, root, env, extra))
+
+
+def _reference(config, world, root, env, extra):
     job = DSJob(config, world, None, root, stock=True, env=env)
     assert job.run(*extra) == [0] * world, job.log(0)[-5000:]
     for rank in range(world):

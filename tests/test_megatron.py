@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from conftest import ANY, job_id, logged, run_cli
+from conftest import ANY, job_id, logged, run_cli, run_once
 from examples.launch import LocalJob
 from ftmem import jobs, restored_from_disk, restored_from_memory
 from test_megatron_driver import TINY_GPT
@@ -51,7 +51,13 @@ def read_out(path: str) -> dict:
 
 def reference(world, parallel, root, save_interval=None) -> dict:
     """An uninterrupted run without ftmem (Megatron's torch-format saves alone, every
-    ``save_interval`` iterations and at the end); its losses and final digests."""
+    ``save_interval`` iterations and at the end); its losses and final digests. Run once
+    per session for the same arguments."""
+    return run_once(("megatron", world, tuple(parallel), save_interval),
+                    lambda: _reference(world, parallel, root, save_interval))
+
+
+def _reference(world, parallel, root, save_interval) -> dict:
     job = MegatronJob(world, parallel, [], None, root, stock=True)
     if save_interval:
         job.args[job.args.index("--save-interval") + 1] = str(save_interval)

@@ -39,6 +39,7 @@ from typing import Optional
 
 import pytest
 
+from conftest import run_once
 from examples.launch import LocalJob, wait_until
 from ftmem import jobs
 from ftmem.persist import flushed
@@ -99,7 +100,12 @@ class DeepSpeedIdentity:
 
 
 def deepspeed_reference(root: str) -> str:
-    """The uninterrupted run without ftmem: DeepSpeed's stock engine saving every step."""
+    """The uninterrupted run without ftmem: DeepSpeed's stock engine saving every step
+    (once per session: both loops compare against it)."""
+    return run_once(("deepspeed-random-kills", DS_ITERS), lambda: _deepspeed_reference(root))
+
+
+def _deepspeed_reference(root: str) -> str:
     job = DSJob("zero1.json", DeepSpeedIdentity.world, None, root, stock=True)
     job.args[job.args.index("--iters") + 1] = str(DS_ITERS)
     assert job.run() == [0] * job.world, job.log(0)[-5000:]
