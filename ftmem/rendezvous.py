@@ -47,6 +47,11 @@ def everyone_joins(what: str, advice: str) -> None:
     except dist.DistStoreError:
         proposal = _ABANDONED
     if store.compare_set(f"{prefix}decision", b"", proposal) == _GO:
+        # The last rank through takes the rendezvous's keys off the store: no rank waits on
+        # them any more. (An abandoned one keeps its few keys: a late rank reads the decision.)
+        if store.add(f"{prefix}through", 1) == world:
+            for key in [f"{prefix}{r}" for r in range(world)] + [f"{prefix}decision", f"{prefix}through"]:
+                store.delete_key(key)
         return
     missing = [r for r in range(world) if not store.check([f"{prefix}{r}"])]
     raise CollectiveNotJoined(
