@@ -59,13 +59,13 @@ def torch_format(model: list, optimizer, args, persistent: bool) -> Optional[dic
     content = {"model": model_state(model), "optimizer": optimizer.state_dict() if optimizer is not None else None,
                "args": args, "rank_dir": rank_dir_name()}
     if persistent:
-        content["rng_state"] = rng_state()
+        content["rng_state"] = rng_state(args)
     return content
 
 
 def write_model_optim_rng(state: Any, directory: str, wrote: Callable[[int], None]) -> None:
     """Write a snapshot's ``model_optim_rng.pt`` under the iteration directory ``directory``.
-    ``state["torch_format"]`` must hold ``rng_state``, the DP ranks' RNG states."""
+    ``state["torch_format"]`` must hold ``rng_state`` (:func:`~ftmem_megatron.torch_checkpoint.rng_state`)."""
     carried = state["torch_format"]
     model_entries = {name: {key: value.detach() if isinstance(value, torch.Tensor) else value
                             for key, value in entries.items()}
@@ -99,18 +99,17 @@ class MegatronFormat(FrameworkFormat):
             write_model_optim_rng(state, directory, wrote)
 
     def write_group(self, group: Sequence[int], read_state: Callable[[int], Any], directory: str, wrote) -> str:
-        """DP rank 0's file, holding every DP rank's RNG states (which the others lend)."""
-        rng, writer = [], None
-        for index, rank in enumerate(group):
-            state = read_state(rank)
-            if state["torch_format"] is None:
-                raise FtmemError(
-                    f"version {state['iteration']} was saved with --use-distributed-optimizer, whose persistent "
-                    f"checkpoint (distrib_optim.pt) gathers the optimizer state over DP; ftmem cannot write it from "
-                    f"memory. Let the job save with Megatron's --save instead.")
-            rng.append(state["rng"])
-            writer = state if index == 0 else writer
-        writer["torch_format"]["rng_state"] = rng
+        """DP rank 0's file; with ``--data-parallel-random-init`` holding every DP rank's RNG
+        states, which the others lend (:func:`~ftmem_megatron.torch_checkpoint.rng_state`)."""
+        writer = read_state(group[0])
+        if writer["torch_format"] is None:
+            raise FtmemError(
+                f"version {writer['iteration']} was saved with --use-distributed-optimizer, whose persistent "
+                f"checkpoint (distrib_optim.pt) gathers the optimizer state over DP; ftmem cannot write it from "
+                f"memory. Let the job save with Megatron's --save instead.")
+        spread = getattr(writer["torch_format"]["args"], "data_parallel_random_init", False)
+        writer["torch_format"]["rng_state"] = [writer["rng"]] + ([read_state(rank)["rng"] for rank in group[1:]]
+                                                                 if spread else [])
         write_model_optim_rng(writer, directory, wrote)
         return self.checkpoint_name(writer["iteration"], writer)
 

@@ -7,7 +7,7 @@
 
 each ``model_optim_rng.pt`` holding Megatron-LM's keys: ``args``,
 ``checkpoint_version``, ``iteration``, ``model``, ``optimizer``,
-``opt_param_scheduler``, ``rng_state`` (one entry per DP rank) and
+``opt_param_scheduler``, ``rng_state`` (:func:`rng_state`) and
 ``num_floating_point_operations_so_far``. As in Megatron-LM only DP rank 0 of each
 (TP, PP) position writes it; the DistributedOptimizer's sharded state is gathered to
 DP rank 0 into ``distrib_optim.pt``.
@@ -23,8 +23,6 @@ import random
 
 import numpy as np
 import torch
-
-from ftmem import save_atomically
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -61,14 +59,24 @@ def own_rng_state() -> dict:
             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
-def rng_state() -> list:
-    """The DP group's RNG states, gathered as Megatron-LM's get_rng_state does: the
-    writer stores one entry per DP rank."""
+def rng_state(args) -> list:
+    """The ``rng_state`` entry as Megatron-LM writes it: with ``--data-parallel-random-init``
+    every DP rank's states (gathered: a collective over DP), each rank loading its own;
+    else this rank's alone, which every DP rank loads (their states are the same)."""
     from megatron.core import parallel_state
 
+    if not getattr(args, "data_parallel_random_init", False):
+        return [own_rng_state()]
     states = [None] * parallel_state.get_data_parallel_world_size()
     torch.distributed.all_gather_object(states, own_rng_state(), group=parallel_state.get_data_parallel_group())
     return states
+
+
+def rng_index(args) -> int:
+    """Which entry of ``rng_state`` (:func:`rng_state`) this rank loads."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank() if getattr(args, "data_parallel_random_init", False) else 0
 
 
 def set_rng_state(state: dict) -> None:

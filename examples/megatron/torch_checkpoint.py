@@ -18,7 +18,7 @@ from ftmem import save_atomically
 from ftmem_megatron.checkpointing import LoadScope
 from ftmem_megatron.torch_checkpoint import (DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, RELEASE, checkpoint_content,
                                              checkpoint_name, iteration_dir, model_keys, model_state, rank_dir_name,
-                                             read_tracker, rng_state, set_rng_state, write_tracker)
+                                             read_tracker, rng_index, rng_state, set_rng_state, write_tracker)
 
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
@@ -32,7 +32,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         os.makedirs(staging_dir)
     torch.distributed.barrier()
 
-    rng_states = rng_state()  # collective over DP
+    rng_states = rng_state(args)  # with --data-parallel-random-init: a collective over DP
     is_writer = parallel_state.get_data_parallel_rank() == 0
     rank_dir = os.path.join(staging_dir, rank_dir_name())
     if args.use_distributed_optimizer:  # collective over DP; DP rank 0 writes
@@ -64,8 +64,6 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> tuple[int, f
     ``--no-load-optim`` and ``--no-load-rng`` allow (:class:`LoadScope`); returns
     (iteration, num_floating_point_operations_so_far), (0, 0.0) when there is none.
     Collective: every rank calls it."""
-    from megatron.core import parallel_state
-
     scope = LoadScope.of(args)
     iteration = read_tracker(args.load) if args.ckpt_step is None else args.ckpt_step
     if iteration == RELEASE:
@@ -95,7 +93,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> tuple[int, f
                 optimizer.load_parameter_state(os.path.join(os.path.dirname(path), DISTRIB_OPTIM_FILENAME))
         opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
     if scope.rng:
-        set_rng_state(state_dict["rng_state"][parallel_state.get_data_parallel_rank()])
+        set_rng_state(state_dict["rng_state"][rng_index(args)])
     torch.distributed.barrier()
     if args.rank == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
