@@ -8,7 +8,7 @@ DEEPSPEED_PIN ?= deepspeed==0.19.8
 # megatron-core >= 0.17 needs Python >= 3.12; 0.16.1 is the newest for 3.11.
 MEGATRON_PIN ?= megatron-core==0.16.1
 
-.PHONY: install demo test test-gpu clean-shm
+.PHONY: install demo test test-gpu clean-shm megatron-lm
 
 install: $(VENV)/.installed
 
@@ -22,7 +22,19 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	DS_ACCELERATOR=cpu $(PY) -m examples.deepspeed.demo
 
-test: install
+# Megatron-LM 0.19.2's own training package, only to test ftmem against it on this Python
+# 3.11 (tests/megatron_lm/build_env.py says what it changes); a cluster installs Megatron-LM
+# as usual, on Python >= 3.12.
+MLM := .mlm
+
+megatron-lm: $(MLM)/.built
+
+$(MLM)/.built: $(VENV)/.installed tests/megatron_lm/build_env.py patches/megatron-lm-0.19.2-ftmem.patch
+	mkdir -p $(MLM)
+	$(PY) tests/megatron_lm/build_env.py $(MLM)
+	touch $@
+
+test: install megatron-lm
 	$(PY) -m pytest -q -ra --durations=30 tests
 
 clean-shm: install

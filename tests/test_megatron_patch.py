@@ -1,66 +1,31 @@
 """Megatron-LM 0.19.2 with ftmem, both ways: patches/megatron-lm-0.19.2-ftmem.patch
-applied to its sources, and ftmem_megatron.install() on the unpatched sources.
+applied to its sources, and ftmem_megatron.install() on the unpatched sources, in the
+trees ``make megatron-lm`` builds (tests/megatron_lm/build_env.py; each tree's own
+``megatron/core`` is used instead of the installed megatron-core).
 
-Megatron-LM's ``megatron/training`` ships in the megatron-core 0.19.2 wheel (with its
-own ``megatron/core``, which the probes use instead of the installed megatron-core).
-The wheel is downloaded once and cached in ~/.cache/ftmem-test/. Each probe runs
-Megatron's own parse_and_validate_args / validate_args with a tiny GPT config, then
-calls save_checkpoint (non-persistent, and persistent with --ckpt-format torch),
-load_checkpoint and the blocking maybe_finalize_async_save through the names
+Each probe runs Megatron's own parse_and_validate_args / validate_args with a tiny GPT
+config, then calls save_checkpoint (non-persistent, and persistent with --ckpt-format
+torch), load_checkpoint and the blocking maybe_finalize_async_save through the names
 megatron.training.training uses. No process groups exist in the probe, so ftmem's real
-functions (not mocks) are entered and stop where they first need them
-(parallel_state); the traceback shows the dispatch into ftmem_megatron.checkpointing.
+functions (not mocks) are entered and stop where they first need them (parallel_state);
+the traceback shows the dispatch into ftmem_megatron.checkpointing.
+tests/test_megatron_lm.py runs Megatron-LM's whole training loop.
 """
-import glob
 import json
 import os
 import re
 import subprocess
 import sys
-import tempfile
 import textwrap
-import zipfile
 
-import pytest
+from test_megatron_lm import REPO, TREES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATCH = os.path.join(REPO, "patches", "megatron-lm-0.19.2-ftmem.patch")
 VERSION = "0.19.2"
-CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ftmem-test")
-
-# Test-only stubs for importing 0.19.2's megatron.training on this box; imported by the
-# probe before megatron. Written next to the tree, not part of it.
-STUBS = textwrap.dedent('''
-    import importlib.util
-    import sys
-    import types
-    import typing
-
-    # megatron/training/models/gpt.py does `from typing import override` (Python >= 3.12);
-    # the same decorator is in typing_extensions, which megatron-core already uses.
-    if not hasattr(typing, "override"):
-        import typing_extensions
-        typing.override = typing_extensions.override
-
-    # megatron.training.training imports megatron.core.transformer.moe.paged_stash, which
-    # imports these Triton kernels (GPU only). Argument parsing and the checkpoint
-    # dispatch never run them.
-    if importlib.util.find_spec("triton") is None:
-        ops = types.ModuleType("megatron.core.transformer.moe.ops.paged_stash")
-        ops.GLOBAL_BLOCK_SIZE = 1024
-
-        def _no_triton(*args, **kwargs):
-            raise RuntimeError("Triton kernel stubbed out by tests/test_megatron_patch.py")
-
-        ops.paged_stash_copy_kernel = ops.paged_stash_pop_kernel = _no_triton
-        sys.modules[ops.__name__] = ops
-''')
 
 PROBE = textwrap.dedent('''
     import contextlib, io, json, os, re, sys, traceback
 
     mode, tree, ckpt_dir = sys.argv[1:4]
-    import megatron_stubs  # noqa: F401  (before megatron)
     import megatron.core
     from megatron.core import package_info
     import megatron.training.arguments as A
@@ -163,49 +128,6 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-def _cached_wheel() -> str:
-    os.makedirs(CACHE, exist_ok=True)
-    for path in glob.glob(os.path.join(CACHE, f"megatron_core-{VERSION}-*.whl")):
-        if zipfile.is_zipfile(path):
-            return path
-        os.remove(path)
-    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                              "--python-version", "3.12", f"megatron-core=={VERSION}", "-d", tmp,
-                              "--disable-pip-version-check", "-q"], capture_output=True, text=True, timeout=300)
-        wheels = glob.glob(os.path.join(tmp, "*.whl"))
-        if got.returncode != 0 or not wheels:
-            pytest.fail(f"could not download the megatron-core {VERSION} wheel (it ships Megatron-LM's "
-                        f"megatron/training) into {CACHE}; this test needs PyPI once, or the wheel put there "
-                        f"by hand.\npip said:\n{(got.stdout + got.stderr)[-2000:]}")
-        final = os.path.join(CACHE, os.path.basename(wheels[0]))
-        os.replace(wheels[0], final)
-    return final
-
-
-@pytest.fixture(scope="module")
-def wheel() -> str:
-    return _cached_wheel()
-
-
-def _unpack(wheel: str, dest) -> str:
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(dest, [n for n in z.namelist() if n.startswith("megatron/")])
-    with open(os.path.join(dest, "megatron_stubs.py"), "w") as f:
-        f.write(STUBS)
-    return str(dest)
-
-
-def _apply_patch(tree: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["patch", "-p1", "--forward", "-i", PATCH], cwd=tree, capture_output=True, text=True)
-
-
-@pytest.fixture(scope="module")
-def patched_tree(wheel, tmp_path_factory):
-    tree = _unpack(wheel, tmp_path_factory.mktemp("patched"))
-    return tree, _apply_patch(tree)
-
-
 def _probe(mode: str, tree: str, tmp_path) -> dict:
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
@@ -220,7 +142,8 @@ def _probe(mode: str, tree: str, tmp_path) -> dict:
 
 
 def _check_arguments(result: dict, tree: str) -> None:
-    assert result["core"].startswith(tree) and result["version"] == VERSION, result["core"]
+    # (Megatron appends the git hash of the checkout around the tree: "0.19.2+91afaed")
+    assert result["core"].startswith(tree) and result["version"].split("+")[0] == VERSION, result["core"]
     assert all(path.startswith(tree) for path in result["adapter_core"]), result["adapter_core"]
     assert result["lazy"], "import ftmem_megatron imported the Megatron-LM hooks before install()"
     assert result["good"] == ["in_memory", 1, 1, 1, 1, 2]
@@ -251,17 +174,17 @@ def _check_dispatch(result: dict, dispatcher: str, tree: str) -> None:
     assert result["finalize_waits"] == 1  # the blocking call only
 
 
-def test_patch_applies_cleanly(patched_tree):
-    tree, applied = patched_tree
-    assert applied.returncode == 0, applied.stdout + applied.stderr
-    assert not re.search(r"offset|fuzz|reversed|rej", applied.stdout + applied.stderr), applied.stdout
-    with open(os.path.join(tree, "megatron", "training", "checkpointing.py")) as f:
+def test_patch_applies_cleanly():
+    """The build applied the patch (and stops where it does not apply cleanly)."""
+    with open(os.path.join(os.path.dirname(TREES["patch"]), "patch.log")) as f:
+        applied = f.read()
+    assert applied.count("patching file") == 3 and not re.search(r"offset|fuzz|reversed|rej", applied), applied
+    with open(os.path.join(TREES["patch"], "megatron", "training", "checkpointing.py")) as f:
         assert "FTMEM_NATIVE = True" in f.read()
 
 
-def test_patched_megatron_lm_parses_and_dispatches_to_ftmem(patched_tree, tmp_path):
-    tree, applied = patched_tree
-    assert applied.returncode == 0, applied.stdout + applied.stderr
+def test_patched_megatron_lm_parses_and_dispatches_to_ftmem(tmp_path):
+    tree = TREES["patch"]
     result = _probe("patched", tree, tmp_path)
     assert result["native"] is True
     # install() sees the patch and changes nothing.
@@ -272,8 +195,8 @@ def test_patched_megatron_lm_parses_and_dispatches_to_ftmem(patched_tree, tmp_pa
     _check_dispatch(result, os.path.join(tree, "megatron", "training", "checkpointing.py"), tree)
 
 
-def test_installer_on_unpatched_megatron_lm(wheel, tmp_path):
-    tree = _unpack(wheel, tmp_path / "stock")
+def test_installer_on_unpatched_megatron_lm(tmp_path):
+    tree = TREES["installer"]
     result = _probe("installer", tree, tmp_path)
     assert result["native"] is False
     assert result["validate_wrapped"] and result["save_wrapped"] and result["training_names_routed"]
