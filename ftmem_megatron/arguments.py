@@ -81,6 +81,14 @@ def validate_ftmem_args(args) -> FtmemConfig:
     if not interval or interval < 1:
         raise ConfigError(f"--non-persistent-ckpt-type in_memory needs --non-persistent-save-interval N "
                           f"(N >= 1 iterations between in-memory checkpoints), got {interval!r}.")
+    if getattr(args, "async_save", False):
+        # Megatron-LM's --async-save hands its own torch_dist saves to a background worker; an
+        # in-memory save is asynchronous by itself, and so are the persistent checkpoints ftmem
+        # writes from memory. Both at once is not tested with ftmem, so it is not accepted.
+        raise ConfigError("--async-save does not go with --non-persistent-ckpt-type in_memory: ftmem's in-memory "
+                          "saves already run in the background (the loop waits for the copy only), and with "
+                          "--ckpt-format torch so do the persistent checkpoints it writes from memory. Drop "
+                          "--async-save.")
     if not getattr(args, "save", None) or not getattr(args, "load", None):
         raise ConfigError("--non-persistent-ckpt-type in_memory needs --save and --load (usually the same "
                           "directory): Megatron takes non-persistent checkpoints only when --save is set and "

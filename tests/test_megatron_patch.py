@@ -80,6 +80,8 @@ PROBE = textwrap.dedent('''
         "flags_without_in_memory": rejected(["--ftmem-ec-k", "1", "--ftmem-ec-m", "1"]),
         "group_too_big": rejected(IN_MEMORY + ["--ftmem-ec-k", "2", "--ftmem-ec-m", "1",
                                                "--ftmem-ranks-per-node", "1"]),
+        "async_save": rejected(IN_MEMORY + ["--ftmem-ec-k", "1", "--ftmem-ec-m", "1", "--async-save",
+                                            "--ckpt-format", "torch"]),
     }
     if mode == "patched":
         # Without ftmem installed, the patched Megatron-LM names the package to install.
@@ -155,6 +157,8 @@ def _check_arguments(result: dict, tree: str) -> None:
     assert bad["flags_without_in_memory"][0] == "ConfigError", bad
     assert "only apply to in-memory checkpoints" in bad["flags_without_in_memory"][1]
     assert bad["group_too_big"][0] == "ConfigError" and "needs groups of 3 nodes" in bad["group_too_big"][1]
+    assert bad["async_save"][0] == "ConfigError", bad
+    assert "--async-save does not go with --non-persistent-ckpt-type in_memory" in bad["async_save"][1]
 
 
 def _check_dispatch(result: dict, dispatcher: str, tree: str) -> None:
