@@ -15,7 +15,8 @@ checkpoint logs exactly the same (seen with this script: a stock run stopped by
 ``--exit-interval 4`` and resumed from disk logged 5.280519 where the uninterrupted run
 logged 5.328074 at iteration 6, and equal values elsewhere). Its log averages the losses
 accumulated since the last log line, and a resumed loop starts that sum differently. So
-the losses are compared everywhere but there, where the weights' equality is the check.
+the losses are compared with the uninterrupted run everywhere but there, and for TP 2 x DP 2
+all of them with Megatron-LM's own resume at the same iteration.
 """
 import os
 import pickle
@@ -97,6 +98,21 @@ def reference(layout: str, root: str) -> MegatronLMJob:
         assert not any("ftmem:" in job.log(r) for r in range(job.world)), job.log(0)[-3000:]
         return job
     return run_once(("megatron-lm", layout), run)
+
+
+def resumed_reference(layout: str, root: str) -> dict[int, str]:
+    """The losses that Megatron-LM's own checkpointing logs after a resume at iteration 4: the
+    run without ftmem stopped there (``--exit-interval 4``, its own save of iteration 4) and
+    resumed from disk."""
+    def run() -> dict[int, str]:
+        job = MegatronLMJob(root, layout, TREES["installer"], extra=["--exit-interval", str(PAUSED - 1)])
+        job.args[job.args.index("--save-interval") + 1] = str(PAUSED - 1)
+        job.run()
+        job.args = job.args[:job.args.index("--exit-interval")]
+        job.run()
+        assert f"loading checkpoint from {job.ckpt} at iteration {PAUSED - 1}" in job.log(0), job.log(0)[-3000:]
+        return {it: loss for it, loss in job.losses().items() if it >= PAUSED}
+    return run_once(("megatron-lm-resumed", layout), run)
 
 
 def assert_same_final_state(got: str, want: str) -> None:
@@ -189,6 +205,9 @@ def test_a_node_lost_mid_run_resumes_from_memory_bitwise(route, layout, shm_dir,
     if route == "patch":
         assert "FTMEM_NATIVE" in open(os.path.join(TREES["patch"], "megatron", "training", "checkpointing.py")).read()
     assert_same_losses(job.losses(), ref.losses(), PAUSED - 1)
+    if layout == "tp2-dp2":  # every logged loss, the one above too, as Megatron-LM's own resume logs it
+        resumed = resumed_reference(layout, str(tmp_path / "resumed"))
+        assert {it: job.losses()[it] for it in resumed} == resumed
     assert_same_final_state(job.ckpt, ref.ckpt)
 
 
