@@ -210,18 +210,18 @@ class AdapterRuntime:
     def resumed_from_disk(self, iteration: int, directory: str, reason: Optional[str]) -> None:
         announce(restored_from_disk(iteration, directory, self.rank, reason))
 
-    def resumed_from_scratch(self, reason: Optional[str]) -> None:
-        """The framework found nothing to load. Right for a fresh job (no ``reason``); but
-        where memory held versions it could not give back (``reason``), a fresh start would
-        silently throw the job's progress away: refused (collective verdict, the same on every
-        rank), memory left as it is."""
+    def resumed_from_scratch(self, reason: Optional[str], disk: str = "there is no disk checkpoint to load") -> None:
+        """The framework found nothing to resume from (``disk`` says what it found). Right for a
+        fresh job (no ``reason``); but where memory held versions it could not give back
+        (``reason``), a fresh start would silently throw the job's progress away: refused
+        (collective verdict, the same on every rank), memory left as it is."""
         if reason is None:
             return
         identity = self.engine.identity
         raise NotRecoverableFromMemory(
-            f"memory could not serve ({reason}) and there is no disk checkpoint to load. ftmem does not start from "
-            f"scratch in place of what this job saved. To start over on purpose, free it first: ftmem clean --job "
-            f"{identity.job} --shm-dir {identity.shm_dir}")
+            f"memory could not serve ({reason}) and {disk}. ftmem does not start from scratch in place of what this "
+            f"job saved. To start over on purpose, free it first: ftmem clean --job {identity.job} --shm-dir "
+            f"{identity.shm_dir}")
 
     # -- end ----------------------------------------------------------------------------
     def close(self, job_finished: bool) -> None:

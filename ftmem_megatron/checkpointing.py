@@ -263,6 +263,10 @@ class MegatronCheckpointer:
         # Iteration 0 may be a load too (--finetune); a tracker may be missing (--ckpt-step).
         if iteration > 0 or disk_iteration(args.load) >= 0:
             self.runtime.resumed_from_disk(iteration, args.load, self._memory_failed)
+        elif getattr(args, "pretrained_checkpoint", None):  # Megatron-LM loaded it, with --finetune
+            self.runtime.resumed_from_scratch(self._memory_failed, f"the only checkpoint on disk is "
+                                              f"--pretrained-checkpoint {args.pretrained_checkpoint}, which starts "
+                                              f"training over")
         else:
             self.runtime.resumed_from_scratch(self._memory_failed)
 

@@ -235,3 +235,24 @@ def test_more_than_m_lost_nodes_fall_back_to_the_checkpoint_written_from_memory(
     assert not any("ftmem:" in stock.log(r) for r in range(stock.world))
     assert_same_losses(stock.losses(), ref.losses(), 4)
     assert_same_final_state(stock.ckpt, ref.ckpt)
+
+
+def test_a_start_over_from_the_pretrained_checkpoint_is_refused_where_memory_held_the_job(shm_dir, tmp_path):
+    """A finetuning job (--pretrained-checkpoint) saving in memory; two nodes lost, nothing in
+    --load: Megatron-LM would load the pretrained checkpoint and start over at iteration 0.
+    ftmem refuses on every rank, naming that checkpoint, and drops nothing."""
+    (tmp_path / "hook").mkdir()
+    pretrained = reference("tp2-dp2", str(tmp_path / "reference")).ckpt
+    job = MegatronLMJob(str(tmp_path / "run"), "tp2-dp2", TREES["installer"], shm_dir,
+                        extra=["--pretrained-checkpoint", pretrained])
+    _train_paused_and_lose(job, tmp_path, lost=[1, 2])
+    held = {n["node"]: n["versions"] for n in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"]}
+    logged_before = [len(job.log(r)) for r in range(job.world)]
+    assert job.start().wait(TIMEOUT) == [1] * job.world, job.log(0)[-3000:]
+    for rank in range(job.world):
+        log = job.log(rank)[logged_before[rank]:]
+        assert (f"and the only checkpoint on disk is --pretrained-checkpoint {pretrained}, which starts training "
+                f"over. ftmem does not start from scratch in place of what this job saved") in log, log[-3000:]
+        assert "lm loss:" not in log  # no training
+    assert {n["node"]: n["versions"] for n in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"]
+            if n["versions"]} == held  # nothing dropped (the relaunch started empty SMPs on the lost nodes)
