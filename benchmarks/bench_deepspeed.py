@@ -28,6 +28,9 @@ from benchmarks import restore_breakdown
 from examples.launch import report_figures, run_for_figures
 
 WORLD = 2
+# The worker's phases, each in ranks started anew, in this order: the big model's saves, each
+# restore of them (as after a crash), then the rest (the run's ftmem memory is freed between).
+PHASES = ("saves", "restore-default", "restore-ftmem", "rest")
 BIG = {"hidden": 768, "layers": 8, "seq_len": 64}  # ~57M parameters
 SMALL = {"hidden": 256, "layers": 4, "seq_len": 64}
 MICRO_BATCH = 2
@@ -70,6 +73,7 @@ def worker(argv=None) -> None:
     parser.add_argument("--shm-dir", required=True)
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--block-steps", type=int, default=5)
+    parser.add_argument("--phase", choices=PHASES, required=True)
     args = parser.parse_args(argv)
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
@@ -94,36 +98,56 @@ def worker(argv=None) -> None:
         fn()
         return time.perf_counter() - t0
 
-    # 1. save and restore of the big model, default engine then ftmem. The saves follow
-    # steps, as in training, with nothing drained in between: an ftmem save call bills
-    # whatever it waits for (the previous snapshot's protection). Then, for ftmem, one
-    # save timed to "protected", and a drain before the restart (reported, not billed).
-    for name, ftmem in (("default", False), ("ftmem", True)):
-        engine, cfg = engine_for(BIG, ftmem)
-        figures["params"] = sum(p.numel() for p in engine.module.parameters())
-        ckpt = os.path.join(args.work, name)
-        saves = []
-        for step in range(4):
-            train_step(engine, cfg, step)
-            saves.append(timed(lambda: engine.save_checkpoint(ckpt)))
-        figures[f"{name}_save_s"] = statistics.median(saves[1:])  # the first save allocates
-        if ftmem:
-            figures["ftmem_drain_before_protected_s"] = timed(engine.checkpoint_engine.wait_protected)
-            train_step(engine, cfg, 4)
-            figures["ftmem_protected_s"] = timed(lambda: (engine.save_checkpoint(ckpt),
-                                                          engine.checkpoint_engine.wait_protected()))
-            engine.checkpoint_engine.runtime.close(job_finished=False)  # keep the snapshots, as a crash would
-        engine, cfg = engine_for(BIG, ftmem)  # a "restarted" engine: restore into fresh state
-        figures[f"{name}_restore_s"] = timed(lambda: engine.load_checkpoint(ckpt))
-        if ftmem:
+    # 1. saves of the big model, default engine then ftmem. The saves follow steps, as in
+    # training, with nothing drained in between: an ftmem save call bills whatever it waits
+    # for (the previous snapshot's protection). Then, for ftmem, one save timed to
+    # "protected", and a drain before the restart (reported, not billed). Each restore runs
+    # in ranks started anew (the restore phases), as after a crash, so that neither reuses
+    # memory the other, or the saves, paged in.
+    if args.phase.startswith("restore-"):
+        name = args.phase.removeprefix("restore-")
+        engine, cfg = engine_for(BIG, name == "ftmem")
+        with open(os.path.join(args.work, f"{name}.step")) as f:
+            saved_step = int(f.read())
+        loaded = []
+        figures[f"{name}_restore_s"] = timed(lambda: loaded.append(engine.load_checkpoint(os.path.join(args.work, name))))
+        if loaded[0][0] is None or engine.global_steps != saved_step:
+            raise RuntimeError(f"the {name} restore loaded step {engine.global_steps}, not {saved_step}")
+        if name == "ftmem":
             figures.update(restore_breakdown.figures(engine.checkpoint_engine.runtime.last_restore))
             engine.checkpoint_engine.runtime.close(job_finished=True)
-        del engine
-    # Untimed, with the other rank waiting in a barrier: what first-touch page faults cost here.
-    torch.distributed.barrier()
-    if rank == 0:
-        figures.update(restore_breakdown.copy_bandwidths())
-    torch.distributed.barrier()
+            del engine
+            # Untimed, with the other rank waiting in a barrier: what first-touch page faults cost here.
+            torch.distributed.barrier()
+            if rank == 0:
+                figures.update(restore_breakdown.copy_bandwidths())
+            torch.distributed.barrier()
+        if rank == 0:
+            report_figures(figures)
+        return
+    if args.phase == "saves":
+        for name, ftmem in (("default", False), ("ftmem", True)):
+            engine, cfg = engine_for(BIG, ftmem)
+            figures["params"] = sum(p.numel() for p in engine.module.parameters())
+            ckpt = os.path.join(args.work, name)
+            saves = []
+            for step in range(4):
+                train_step(engine, cfg, step)
+                saves.append(timed(lambda: engine.save_checkpoint(ckpt)))
+            figures[f"{name}_save_s"] = statistics.median(saves[1:])  # the first save allocates
+            if ftmem:
+                figures["ftmem_drain_before_protected_s"] = timed(engine.checkpoint_engine.wait_protected)
+                train_step(engine, cfg, 4)
+                figures["ftmem_protected_s"] = timed(lambda: (engine.save_checkpoint(ckpt),
+                                                              engine.checkpoint_engine.wait_protected()))
+                engine.checkpoint_engine.runtime.close(job_finished=False)  # keep the snapshots, as a crash would
+            if rank == 0:
+                with open(os.path.join(args.work, f"{name}.step"), "w") as f:
+                    f.write(str(engine.global_steps))
+            del engine
+        if rank == 0:
+            report_figures(figures)
+        return
 
     # 1b. the cycle cost on the big model: blocks of steps with an ftmem save after every
     # step take turns with blocks without saves; a block with saves ends when its last
@@ -201,8 +225,12 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
     work = tempfile.mkdtemp(prefix="ftmem-bench-ds-", dir=os.getcwd())
     job = f"bench-ds-{os.getpid()}"
     try:
-        f = run_for_figures("benchmarks.bench_deepspeed", ["--worker", "--work", work, "--shm-dir", shm_dir], WORLD,
-                            job, os.path.join(work, "logs"), "DeepSpeed", 1800, env={"DS_ACCELERATOR": "cpu"})
+        f = {}
+        for phase in PHASES:
+            f.update(run_for_figures("benchmarks.bench_deepspeed", ["--worker", "--work", work, "--shm-dir", shm_dir,
+                                                                    "--phase", phase], WORLD, job,
+                                     os.path.join(work, f"logs-{phase}"), f"DeepSpeed ({phase})", 1800,
+                                     env={"DS_ACCELERATOR": "cpu"}))
     finally:
         jobs.clean(shm_dir, job)
         shutil.rmtree(work, ignore_errors=True)
@@ -227,7 +255,7 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
           f"   ({result['save_vs_default_x']:.0f}x less, target >= 20x)")
     print(f"  load_checkpoint          default {result['default_restore_s']:.3f} s   "
           f"ftmem {result['ftmem_restore_s']:.3f} s   ({result['restore_vs_default_x']:.2f}x the default's speed, "
-          f"target >= 2x)")
+          f"target >= 2x; each in ranks started anew)")
     print(restore_breakdown.describe(result))
     print(f"  a save after every step: step {result['step_s']:.3f} s without saves, {result['cycle_s']:.3f} s with "
           f"(cycle cost {result['cycle_cost_s']:+.3f} s, {result['cycle_cost_vs_default_save_x']:.2f}x the default "
