@@ -48,8 +48,9 @@ class Exported:
 
 
 class Progress:
-    """A progress bar over the bytes read from shared memory, with what is written so
-    far and the rate; redrawn in place on a terminal, a line per 10% otherwise."""
+    """A progress bar over the bytes read from shared memory (at most every rank's), with
+    what is written so far and the rate; redrawn in place on a terminal, a line per 10%
+    otherwise."""
 
     WIDTH = 30
 
@@ -75,6 +76,11 @@ class Progress:
         self.out.flush()
 
     def end(self) -> None:
+        """The last line, at 100%: ``total`` counts every rank's bytes, and a format may need
+        fewer (Megatron's file of a DP group holds DP rank 0's state alone, most often)."""
+        if 0 < self.read < self.total:
+            self.total, self._last_tenth = self.read, -1
+            self.add()
         if self._tty:
             self.out.write("\n")
 
