@@ -123,16 +123,16 @@ def _name_cpu_tensor_types_as_cuda() -> None:
     from megatron.core.optimizer import optimizer as mcore_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    mcore_optimizer.clip_grad_by_total_norm_fp32 = _cpu_types_named_as_cuda(
-        mcore_optimizer.clip_grad_by_total_norm_fp32)
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = within(_CpuTypeAsCuda, mcore_optimizer.clip_grad_by_total_norm_fp32)
     build_groups = DistributedOptimizer._build_model_and_main_param_groups.__func__
-    DistributedOptimizer._build_model_and_main_param_groups = classmethod(_cpu_types_named_as_cuda(build_groups))
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(within(_CpuTypeAsCuda, build_groups))
 
 
-def _cpu_types_named_as_cuda(fn):
+def within(context, fn):
+    """``fn``, each call of it run inside a new ``context()``."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _CpuTypeAsCuda():
+        with context():
             return fn(*args, **kwargs)
     return wrapper
 

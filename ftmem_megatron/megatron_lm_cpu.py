@@ -61,7 +61,7 @@ def enable() -> None:
 
     mlm_training.initialize_megatron = _allowing_no_cuda(mlm_training.initialize_megatron)
     mlm_initialize._initialize_distributed = _process_group_first(mlm_initialize._initialize_distributed)
-    mlm_initialize._set_random_seed = _with_one_device(mlm_initialize._set_random_seed)
+    mlm_initialize._set_random_seed = cpu_compat.within(_one_device, mlm_initialize._set_random_seed)
     mlm_training.build_pretraining_data_loader = _with_own_generator(mlm_training.build_pretraining_data_loader)
     mlm_arguments.get_device_arch_version = lambda: 0
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -87,14 +87,6 @@ def _one_device():
         yield
     finally:
         torch.cuda.device_count = count
-
-
-def _with_one_device(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _one_device():
-            return fn(*args, **kwargs)
-    return wrapper
 
 
 def _process_group_first(initialize_distributed):
