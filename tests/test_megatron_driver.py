@@ -50,7 +50,8 @@ def test_resume_from_torch_checkpoint_is_bitwise(world, parallel, rank_dirs, tmp
     state = torch.load(os.path.join(save, "iter_0000003", rank_dirs[-1], "model_optim_rng.pt"), weights_only=False)
     assert {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler", "rng_state",
             "num_floating_point_operations_so_far"} <= state.keys()
-    assert state["iteration"] == 3 and len(state["rng_state"]) == state["args"].data_parallel_size
+    # One RNG entry, the writer's: Megatron-LM 0.19.2 gathers every DP rank's only with --data-parallel-random-init.
+    assert state["iteration"] == 3 and len(state["rng_state"]) == 1
 
     # The state a crash between the saves of iterations 3 and 6 leaves behind.
     shutil.rmtree(os.path.join(save, "iter_0000006"))
