@@ -31,6 +31,8 @@ import deepspeed.ops
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a JIT-built op training does not use
 import deepspeed  # noqa: E402
 
+from examples.deepspeed.process_end import end_process  # noqa: E402
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -76,22 +78,12 @@ def main() -> None:
             reload(engine, args.save_dir, optimizer_states, args.out)
     if args.save_16bit:
         print(f"rank {rank}: save_16bit_model returned {engine.save_16bit_model(args.save_16bit)}", flush=True)
-        # Ranks leave the export together: rank 0 still writes it when rank 1 returns, and a
-        # rank 1 that went on alone aborted once at exit ("terminate called without an
-        # active exception") in a loaded CI run. Not at the end of the script: some reads
-        # below are made by rank 0 alone, on purpose.
-        torch.distributed.barrier()
     if args.also_save_to:
         engine.save_checkpoint(args.also_save_to, client_state={"next_step": args.iters})
     if args.read_back:
         read_back(args.read_back, engine, args.save_dir, args.read_back_tag,
                   os.path.join(args.out, f"rank{rank}.read-back.pt"))
-    # As examples/deepspeed/train_gpt.py ends, whose runs have never aborted at exit: the engine
-    # lets go of what it holds first. Rank 1 of this script's reference run (stock DeepSpeed, no
-    # ftmem module loaded) twice aborted at its exit in CI ("terminate called without an active
-    # exception") after its export and the barrier; the cause was not found.
-    engine.destroy()
-    torch.distributed.destroy_process_group()  # as PyTorch asks: no group's threads left to end at exit
+    end_process(engine)
 
 
 def reload(engine, save_dir: str, optimizer_states: bool, out: str) -> None:

@@ -35,6 +35,7 @@ import time
 import torch
 
 from examples.deepspeed.gpt import GPT, GPTConfig, Head, batch, layers, lm_loss
+from examples.deepspeed.process_end import end_process
 
 
 def parse_args(argv=None):
@@ -179,8 +180,7 @@ def main(argv=None) -> None:
                 time.sleep(3600)
     if args.out:
         torch.save(final_weights(engine, zero_stage), os.path.join(args.out, f"rank{rank}.final.pt"))
-    engine.destroy()
-    torch.distributed.destroy_process_group()  # as PyTorch asks: no group's threads left to end at exit
+    end_process(engine)
 
 
 if __name__ == "__main__":
