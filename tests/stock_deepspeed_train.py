@@ -31,7 +31,7 @@ import deepspeed.ops
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a JIT-built op training does not use
 import deepspeed  # noqa: E402
 
-from examples.deepspeed.process_end import end_process  # noqa: E402
+from examples.process_end import end_process  # noqa: E402
 
 
 def main() -> None:
@@ -83,7 +83,8 @@ def main() -> None:
     if args.read_back:
         read_back(args.read_back, engine, args.save_dir, args.read_back_tag,
                   os.path.join(args.out, f"rank{rank}.read-back.pt"))
-    end_process(engine)
+    engine.destroy()
+    end_process()
 
 
 def reload(engine, save_dir: str, optimizer_states: bool, out: str) -> None:

@@ -684,7 +684,7 @@ def stock_deepspeed_load(config: str, checkpoint_dir: str, logs: str) -> list[st
         assert not [m for m in sys.modules if m.startswith("ftmem")], [m for m in sys.modules if "ftmem" in m]
         print("STOCK LOADED", path, engine.global_steps, client_state["next_step"], flush=True)
         # Only what stock DeepSpeed loaded is under test here. Once every rank has loaded, leave
-        # without finalizing, as the DeepSpeed scripts do (examples/deepspeed/process_end.py says
+        # without finalizing, as the DeepSpeed scripts do (examples/process_end.py says
         # why a rank can abort there).
         torch.distributed.barrier()
         sys.stdout.flush()

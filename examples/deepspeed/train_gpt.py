@@ -35,7 +35,7 @@ import time
 import torch
 
 from examples.deepspeed.gpt import GPT, GPTConfig, Head, batch, layers, lm_loss
-from examples.deepspeed.process_end import end_process
+from examples.process_end import end_process
 
 
 def parse_args(argv=None):
@@ -180,7 +180,8 @@ def main(argv=None) -> None:
                 time.sleep(3600)
     if args.out:
         torch.save(final_weights(engine, zero_stage), os.path.join(args.out, f"rank{rank}.final.pt"))
-    end_process(engine)
+    engine.destroy()
+    end_process()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from megatron.training import get_args, get_tokenizer, pretrain  # noqa: E402
 from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: E402
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args  # noqa: E402
 
+from examples.process_end import end_process  # noqa: E402
 from ftmem_megatron import megatron_lm_cpu  # noqa: E402
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
@@ -93,8 +94,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         megatron_lm_cpu.enable()
     args = parse_and_validate_args()
-    pretrain(pretrain_cfg_container_from_args(args, model_cfg=None), datasets_provider, ModelType.encoder_or_decoder,
-             forward_step, model_provider)
+    try:
+        pretrain(pretrain_cfg_container_from_args(args, model_cfg=None), datasets_provider,
+                 ModelType.encoder_or_decoder, forward_step, model_provider)
+    except SystemExit as e:  # how Megatron-LM ends at --exit-interval, --exit-duration-in-mins or a signal
+        end_process(e.code)  # inside the handler: ftmem sees the exit and its code
+    end_process()
 
 
 if __name__ == "__main__":
