@@ -2,8 +2,10 @@
 
 DeepSpeed keeps its gloo groups past ``destroy_process_group()`` (the world group in
 ``deepspeed.utils.groups``, and one in every parameter's ``_dp_group``, alive after the
-engine is destroyed and collected), and Megatron-LM's ``pretrain()`` destroys none of
-its groups. So gloo worker threads still run while the interpreter finalizes. A worker
+engine is destroyed and collected); Megatron-LM's ``pretrain()`` destroys none of its
+groups; and in our megatron-core driver two groups' threads still run after
+``destroy_model_parallel()``, ``destroy_process_group()``, the end of ``main`` and
+``gc.collect()``. So gloo worker threads still run while the interpreter finalizes. A worker
 that then drops the last reference to a tensor whose Python object PyTorch keeps alive
 for C++ (a collective's temporary) must take the GIL; once finalization has begun,
 Python ends such a thread with ``pthread_exit``, whose unwinding through PyTorch's

@@ -40,6 +40,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from examples.process_end import end_process
 from ftmem_megatron import cpu_compat
 from ftmem_megatron.arguments import (IN_MEMORY, add_ftmem_args, add_non_persistent_args, in_memory,
                                       validate_ftmem_args)
@@ -479,7 +480,7 @@ def main(argv=None) -> None:
         return
     checkpointing.finish(args)  # before the process groups go: the ranks agree on freeing memory
     parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    end_process()
 
 
 if __name__ == "__main__":
