@@ -26,6 +26,7 @@ from ftmem import jobs
 
 from benchmarks import restore_breakdown
 from examples.launch import report_figures, run_for_figures
+from examples.process_end import end_process
 
 WORLD = 2
 # The worker's phases, each in ranks started anew, in this order: the big model's saves, each
@@ -281,7 +282,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--worker" in argv:
         worker(argv)
-        return 0
+        end_process()  # the framework's gloo groups outlive the worker: see examples/process_end.py
     parser = argparse.ArgumentParser(prog="ftmem bench deepspeed",
                                      description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")

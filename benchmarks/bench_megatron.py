@@ -36,6 +36,7 @@ from ftmem import jobs
 
 from benchmarks import restore_breakdown
 from examples.launch import report_figures, run_for_figures
+from examples.process_end import end_process
 
 WORLD = 2
 # ~53M parameters (the embedding is 24.6M of them), ~26M per rank at TP 2.
@@ -333,7 +334,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--worker" in argv:
         worker(argv)
-        return 0
+        end_process()  # the framework's gloo groups outlive the worker: see examples/process_end.py
     parser = argparse.ArgumentParser(prog="ftmem bench megatron",
                                      description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")

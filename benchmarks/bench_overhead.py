@@ -38,6 +38,7 @@ from ftmem import jobs
 
 from benchmarks.bench_megatron import model_flags, print_result
 from examples.launch import report_figures, run_for_figures
+from examples.process_end import end_process
 
 # ~1.1B parameters: 20 layers of 12 * 2048^2, and a 32000 x 2048 embedding tied to the output.
 MODEL = {"num_layers": 20, "hidden_size": 2048, "num_attention_heads": 16, "seq_length": 2048,
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--worker" in argv:
         worker(argv)
-        return 0
+        end_process()  # the framework's gloo groups outlive the worker: see examples/process_end.py
     parser = argparse.ArgumentParser(prog="ftmem bench overhead",
                                      description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")

@@ -12,6 +12,9 @@ import pytest
 from ftmem import jobs
 from ftmem.procs import cmdline, pid_alive
 
+#: the repository's root (tests run from it, and their scripts import examples/ from it)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # Per session, so that a suite running beside another (a local run during CI) checks only its own.
 TEST_SHM_PREFIX = f"/dev/shm/ftmem-test-{uuid.uuid4().hex[:6]}-"
 

@@ -12,14 +12,14 @@ import textwrap
 import pytest
 import torch
 
-from conftest import ANY, free_shm_dir, job_id, logged, new_shm_dir, run_cli, run_once
+from conftest import ANY, REPO, free_shm_dir, job_id, logged, new_shm_dir, run_cli, run_once
 from examples.launch import LocalJob, free_port, wait_until
 from ftmem import jobs, restored_from_disk, restored_from_memory
 from ftmem_deepspeed.checkpoint_engine import is_stub
 from trainjob import assert_same_training
 
 ITERS, STOP, TIMEOUT = 6, 3, 300
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIGS = os.path.join(REPO, "configs")
 ENV = {"DS_ACCELERATOR": "cpu"}
 # A run without ftmem: DeepSpeed's default engine, and not even ftmem_guard's torch hook loaded.
 STOCK_ENV = {**ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
@@ -662,36 +662,31 @@ def test_a_flush_killed_midway_leaves_the_previous_checkpoint_the_newest(shm_dir
 def stock_deepspeed_load(config: str, checkpoint_dir: str, logs: str) -> list[str]:
     """Load ``checkpoint_dir`` with stock DeepSpeed (its default engine, 3 ranks, no ftmem
     module loaded); each rank's line ``STOCK LOADED <path> <global_steps> <next_step>``."""
-    gpt_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "deepspeed",
-                            "gpt.py")  # loaded by path: the examples package is not imported either
     stock_config = json.load(open(os.path.join(CONFIGS, config)))
     del stock_config["checkpoint"], stock_config["ftmem"]
     os.makedirs(logs, exist_ok=True)
     with open(os.path.join(logs, "stock_load.py"), "w") as f:
         f.write(textwrap.dedent(f"""
-        import importlib.util, os, sys
+        import sys
         import torch
         import deepspeed.ops
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         import deepspeed
-        spec = importlib.util.spec_from_file_location("gpt", {gpt_file!r})
-        gpt = sys.modules["gpt"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(gpt)
+        from examples.deepspeed.gpt import GPT, GPTConfig
+        from examples.process_end import end_process
         deepspeed.init_distributed(dist_backend="gloo")
-        model = gpt.GPT(gpt.GPTConfig())
+        model = GPT(GPTConfig())
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={stock_config!r})
         path, client_state = engine.load_checkpoint({checkpoint_dir!r})
         assert not [m for m in sys.modules if m.startswith("ftmem")], [m for m in sys.modules if "ftmem" in m]
         print("STOCK LOADED", path, engine.global_steps, client_state["next_step"], flush=True)
-        # Only what stock DeepSpeed loaded is under test here. Once every rank has loaded, leave
-        # without finalizing, as the DeepSpeed scripts do (examples/process_end.py says
-        # why a rank can abort there).
+        # Only what stock DeepSpeed loaded is under test here: once every rank has loaded,
+        # end as the DeepSpeed scripts do (examples/process_end.py says why).
         torch.distributed.barrier()
-        sys.stdout.flush()
-        os._exit(0)
+        end_process()
     """))
     stock = LocalJob("stock_load", [], 3, job_id(), logs,
-                     env={"PYTHONPATH": logs, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **ENV})
+                     env={"PYTHONPATH": os.pathsep.join([logs, REPO]), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **ENV})
     assert stock.wait(TIMEOUT) == [0] * 3, stock.tails()
     return [next(ln for ln in LocalJob.read_log(logs, rank).splitlines() if ln.startswith("STOCK LOADED"))
             for rank in range(3)]

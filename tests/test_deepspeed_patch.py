@@ -9,13 +9,12 @@ import textwrap
 import deepspeed
 import torch
 
-from conftest import job_id, logged
+from conftest import REPO, job_id, logged
 from examples.launch import free_port
 from ftmem import restored_from_memory
 from test_deepspeed import ENV, STOCK_ENV, TIMEOUT, config_pair, stock_script
 
-PATCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches",
-                     "deepspeed-0.19.8-ftmem.patch")
+PATCH = os.path.join(REPO, "patches", "deepspeed-0.19.8-ftmem.patch")
 
 
 def patched_deepspeed(root) -> str:
@@ -51,8 +50,10 @@ def test_patch_applies_and_selects_ftmem_natively(tmp_path, shm_dir):
         load = inspect.getsource(DeepSpeedEngine.load_checkpoint)
         print("HOOKS", "resume_point" in load, "checkpoint_engine.loaded()" in load,
               "wait_reusable" in inspect.getsource(DeepSpeedEngine._take_model_step))
+        from examples.process_end import end_process  # DeepSpeed keeps its gloo group: see there
+        end_process()
     """)
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1",
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]), DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

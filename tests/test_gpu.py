@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from conftest import REPO, logged
 from ftmem import jobs
 from ftmem.engine import SnapshotEngine
 
@@ -19,8 +20,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="needs CUDA: run `make test-gpu` on a machine with an NVIDIA GPU"),
 ]
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def engine(shm_dir: str, job: str) -> SnapshotEngine:
@@ -87,8 +86,8 @@ def test_a_kill_while_device_copies_are_in_flight_leaves_the_older_version(shm_d
         e.save(state, 2).wait_committed()
         print("not killed")
     """)
-    env = dict(os.environ, PYTHONPATH=ROOT, FTMEM_TEST_HOOK="mid_copy:kill:rank=0:version=2")
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+    env = dict(os.environ, PYTHONPATH=REPO, FTMEM_TEST_HOOK="mid_copy:kill:rank=0:version=2")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == -9, out.stdout + out.stderr
     e = engine(shm_dir, job)
@@ -154,7 +153,6 @@ def test_deepspeed_on_the_gpu_resumes_bitwise_after_a_crash(config, shm_dir, tmp
     and final weights equal, bitwise, the same script's uninterrupted run on DeepSpeed's
     default checkpoint engine."""
     pytest.importorskip("deepspeed")
-    from conftest import logged
     from test_deepspeed import ITERS, STOP, TIMEOUT, DSJob, reference
     from trainjob import assert_same_training
 
@@ -180,7 +178,6 @@ def test_deepspeed_ranks_sharing_the_gpu_resume_bitwise_after_losing_a_node(conf
     (the lost node's rebuilt), and losses and final weights equal, bitwise, the same
     script's uninterrupted run on DeepSpeed's default engine, on the same GPU and backend."""
     pytest.importorskip("deepspeed")
-    from conftest import logged
     from test_deepspeed import ITERS, STOP, TIMEOUT, DSJob, reference
     from trainjob import assert_same_training
 
@@ -213,7 +210,6 @@ def test_megatron_core_on_the_gpu_resumes_bitwise_after_a_crash(precision, shm_d
     and optimizer state equal, bitwise, an uninterrupted run without ftmem. In fp32, and
     in bf16 with fp32 main parameters (megatron-core's mixed-precision optimizer)."""
     pytest.importorskip("megatron.core")
-    from conftest import logged
     from test_megatron import ITERS, STOP, TIMEOUT, MegatronJob, read_out, reference
 
     from ftmem import restored_from_memory

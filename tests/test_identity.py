@@ -11,12 +11,12 @@ import signal
 import subprocess
 import sys
 
-from conftest import job_id, logged
+from conftest import REPO, job_id, logged
 from examples.launch import LocalJob, free_port, wait_until
 from ftmem import jobs, restored_from_memory
 from ftmem.procs import cmdline, pid_alive
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIGS = os.path.join(REPO, "configs")
 TIMEOUT = 300
 MIRROR = '{"ranks_per_node": 1, "ec": {"k": 1, "m": 1}, "shm_dir": "%s"}'
 

@@ -27,11 +27,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ANY, job_id, logged, run_once
+from conftest import ANY, REPO, job_id, logged, run_once
 from examples.launch import LocalJob
 from ftmem import jobs, restored_from_disk, restored_from_memory
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TREES = {"installer": os.path.join(REPO, ".mlm", "stock"), "patch": os.path.join(REPO, ".mlm", "patched")}
 ITERS, PAUSED, TIMEOUT = 8, 5, 240
 # Megatron-LM's flags for its CPU-capable paths (ftmem_megatron.megatron_lm_cpu), and a tiny GPT.

@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 CORE, ADAPTERS = "ftmem", ("ftmem_deepspeed", "ftmem_megatron")
 NOT_FOR_THE_CORE = ("ftmem_deepspeed", "ftmem_megatron", "examples", "benchmarks", "deepspeed", "megatron")
 MAX_CLASS_LINES = 220
