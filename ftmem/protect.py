@@ -31,7 +31,9 @@ from .plan import ALIGN
 from .placement import ECGroup
 from .slots import CommitRecord, ParityRecord, decode_record, encode_record
 
-EXCHANGE_CHUNK = 32 << 20  # bytes per move and round when protecting
+# What a parity holder receives per round when protecting (its m*k moves share it; two
+# rounds are in flight at once, each with buffers of its own).
+EXCHANGE_ROUND = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -212,54 +214,33 @@ class ColumnCoder:
                 records: list[CommitRecord], piece: int) -> ParityRecord:
         """Send this member's pieces to their stripes' parity holders, receive the pieces
         of the stripes it holds parity for, and encode them into ``parity`` (m pieces)."""
-        g, pos = self.group, self.position
-        # Every (data piece -> parity holder) move of the column, in one canonical order.
-        # A member may send two pieces to one holder (different stripes), so the
-        # buffers are laid out by peer, then by this order.
+        g = self.group
+        # Every (data piece -> parity holder) move of the column, in one canonical order:
+        # a move's index in it tags its messages, so both ends name it alike.
         moves = [(src, dest, stripe, q, p)
                  for stripe in range(g.n)
                  for q, dest in enumerate(g.parity_members(stripe))
                  for p, src in enumerate(g.data_members(stripe))]
-        outgoing = sorted((mv for mv in moves if mv[0] == pos), key=lambda mv: mv[1])
-        incoming = sorted((mv for mv in moves if mv[1] == pos), key=lambda mv: mv[0])
-        held = g.parity_held(pos)
-        # A member that holds one piece's copy as its parity (k = 1, as with 2 nodes and
-        # m = 1) receives it straight into its parity slot.
-        into_parity = len(incoming) == 1 and len(held) == 1 and self.codec.copies(held[0][1])
-        # In rounds of at most EXCHANGE_CHUNK bytes per move: staging memory stays
-        # bounded whatever the state size, and each round's pieces are still in cache
-        # when they are encoded.
-        for start in range(0, piece, EXCHANGE_CHUNK):
-            width = min(EXCHANGE_CHUNK, piece - start)
-            send = self._outgoing(outgoing, data, lengths[pos], piece, start, width)
-            recv = torch.from_numpy(parity[start : start + width]) if into_parity else \
-                self._buffer("recv", len(incoming) * width)
-            self._all_to_all(recv, send, incoming, outgoing, width)
-            if start == 0:  # the crash tests' "mid-exchange": pieces moved, no parity encoded or recorded yet
+        exchange = _Exchange(self, moves, data, lengths[self.position], parity, piece)
+        # In rounds: staging memory stays bounded whatever the state size, and a round's
+        # pieces are still in cache when they are encoded. Round r+1's moves are under way
+        # while round r encodes.
+        width = max(ALIGN, EXCHANGE_ROUND // (g.m * g.k) // ALIGN * ALIGN)
+        in_flight = None
+        for r, start in enumerate(range(0, piece, width)):
+            posted = exchange.post(r, start, min(width, piece - start))
+            if in_flight is not None:
+                exchange.finish(*in_flight)
+            in_flight = posted
+            if r == 0:  # the crash tests' "mid-exchange": pieces moved, no parity encoded or recorded yet
+                exchange.finish(*in_flight)
+                in_flight = None
                 testhooks.at("mid_exchange", record.rank, record.version)
-            if into_parity:
-                continue
-            recv_np = recv.numpy()
-            at = {(stripe, q, p): i * width for i, (_, _, stripe, q, p) in enumerate(incoming)}
-            for i, (stripe, q) in enumerate(held):
-                sources = [recv_np[at[(stripe, q, p)] : at[(stripe, q, p)] + width] for p in range(g.k)]
-                self.codec.encode_row(q, sources, parity[i * piece + start : i * piece + start + width])
-        sums = [checksum(parity[i * piece : (i + 1) * piece]) for i in range(len(held))]
+        if in_flight is not None:
+            exchange.finish(*in_flight)
+        sums = [checksum(parity[i * piece : (i + 1) * piece]) for i in range(len(exchange.held))]
         return ParityRecord(version=record.version, slot=record.slot, k=g.k, m=g.m, nodes=g.nodes,
                             piece_size=piece, lengths=tuple(lengths), records=tuple(records), checksums=tuple(sums))
-
-    def _outgoing(self, outgoing: list, data: np.ndarray, length: int, piece: int, start: int,
-                  width: int) -> torch.Tensor:
-        """This round's bytes to send, laid out by peer: the slot's own bytes where one move
-        goes out and lies within the data; else staged, zeros past the data's ``length``."""
-        if len(outgoing) == 1 and outgoing[0][4] * piece + start + width <= length:
-            at = outgoing[0][4] * piece + start
-            return torch.from_numpy(data[at : at + width])
-        send = self._buffer("send", len(outgoing) * width)
-        send_np = send.numpy()
-        for i, (_, _, _, _, p) in enumerate(outgoing):
-            self._put_piece(send_np[i * width : (i + 1) * width], data, length, p * piece + start, width)
-        return send
 
     def encode_again(self, record: CommitRecord, data: np.ndarray) -> tuple[ParityRecord, np.ndarray]:
         """This member's parity of ``record``'s version, encoded again from the column's
@@ -323,6 +304,60 @@ class ColumnCoder:
                          for i, (_, _, s, code) in enumerate(incoming) if s == stripe}
             self.codec.rebuild(available, {p: rebuilt[p * piece : (p + 1) * piece]})
         return records[pos], rebuilt[: lengths[pos]]
+
+
+class _Exchange:
+    """One protect's moves for one member: what it sends and receives in each round, and
+    the encoding of what it received. The moves go point to point, so a piece leaves
+    straight from the slot (staged only where it runs past the data, to pad with zeros),
+    and a member that keeps one piece's copy as its parity (k = 1, as with 2 nodes and
+    m = 1) receives it straight into its parity slot."""
+
+    def __init__(self, coder: "ColumnCoder", moves: list, data: np.ndarray, length: int, parity: np.ndarray,
+                 piece: int):
+        pos = coder.position
+        self.coder, self.data, self.length, self.parity, self.piece = coder, data, length, parity, piece
+        self.tags = len(moves)
+        self.outgoing = [(i, mv) for i, mv in enumerate(moves) if mv[0] == pos]
+        self.incoming = [(i, mv) for i, mv in enumerate(moves) if mv[1] == pos]
+        self.held = coder.group.parity_held(pos)
+        self.into_parity = len(self.incoming) == 1 and len(self.held) == 1 and coder.codec.copies(self.held[0][1])
+        self.peers = [dist.get_global_rank(coder.pg, i) for i in range(coder.group.n)]
+
+    def post(self, r: int, start: int, width: int) -> tuple:
+        """Start round ``r``'s sends and receives; (start, width, works, received)."""
+        works, received = [], {}
+        buffers = r % 2  # two rounds are in flight at most: each has buffers of its own
+        for j, (tag, (_, dest, _, _, p)) in enumerate(self.outgoing):
+            works.append(dist.isend(self._piece(p, start, width, f"send{buffers}.{j}"), self.peers[dest],
+                                    group=self.coder.pg, tag=r * self.tags + tag))
+        for j, (tag, (src, _, stripe, q, p)) in enumerate(self.incoming):
+            into = torch.from_numpy(self.parity[start : start + width]) if self.into_parity else \
+                self.coder._buffer(f"recv{buffers}.{j}", width)
+            received[(stripe, q, p)] = into
+            works.append(dist.irecv(into, self.peers[src], group=self.coder.pg, tag=r * self.tags + tag))
+        return start, width, works, received
+
+    def finish(self, start: int, width: int, works: list, received: dict) -> None:
+        """Wait for a round's moves and encode its parity rows."""
+        for work in works:
+            work.wait()
+        if self.into_parity:
+            return
+        piece, k = self.piece, self.coder.group.k
+        for i, (stripe, q) in enumerate(self.held):
+            sources = [received[(stripe, q, p)].numpy() for p in range(k)]
+            self.coder.codec.encode_row(q, sources, self.parity[i * piece + start : i * piece + start + width])
+
+    def _piece(self, p: int, start: int, width: int, buffer: str) -> torch.Tensor:
+        """Bytes [start, start+width) of this member's piece ``p``: the slot's own where
+        they lie within the data, else staged with zeros past it."""
+        at = p * self.piece + start
+        if at + width <= self.length:
+            return torch.from_numpy(self.data[at : at + width])
+        staged = self.coder._buffer(buffer, width)
+        ColumnCoder._put_piece(staged.numpy(), self.data, self.length, at, width)
+        return staged
 
 
 def _decode(kind: type, payload: bytes):
