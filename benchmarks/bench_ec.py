@@ -98,11 +98,11 @@ def protect_worker(argv=None) -> None:
 
 def protect_time(mb_per_node: int, shm_dir: str) -> dict:
     """Three virtual nodes, one rank each, one DP group, k=2, m=1: copy-done-to-protected time."""
-    logs = tempfile.mkdtemp(prefix="ftmem-bench-ec-")
     job = f"bench-ec-{os.getpid()}"
     try:
-        return run_for_figures("benchmarks.bench_ec", ["--mb", str(mb_per_node), "--shm-dir", shm_dir], 3, job, logs,
-                               "protect", 1800)
+        with tempfile.TemporaryDirectory(prefix="ftmem-bench-ec-") as logs:
+            return run_for_figures("benchmarks.bench_ec", ["--mb", str(mb_per_node), "--shm-dir", shm_dir], 3, job,
+                                   logs, "protect", 1800)
     finally:
         jobs.clean(shm_dir, job)
 

@@ -99,12 +99,12 @@ def _gathered(obj) -> list:
 
 
 def protect_case(nodes: int, m: int, mb: int, repeat: int, shm_dir: str) -> dict:
-    logs = tempfile.mkdtemp(prefix="ftmem-bench-protect-")
     job = f"bench-protect-{os.getpid()}-{nodes}-{m}"
     try:
-        return run_for_figures("benchmarks.bench_protect", ["--worker", "--mb", str(mb), "--m", str(m), "--shm-dir",
-                                                            shm_dir, "--repeat", str(repeat)],
-                               nodes, job, logs, f"protect ({nodes} nodes, m={m})", 1800)
+        with tempfile.TemporaryDirectory(prefix="ftmem-bench-protect-") as logs:
+            return run_for_figures("benchmarks.bench_protect", ["--worker", "--mb", str(mb), "--m", str(m),
+                                                                "--shm-dir", shm_dir, "--repeat", str(repeat)],
+                                   nodes, job, logs, f"protect ({nodes} nodes, m={m})", 1800)
     finally:
         jobs.clean(shm_dir, job)
 

@@ -19,6 +19,7 @@ import time
 
 from ftmem import jobs
 from ftmem.cli import Parser, positive_int, shm_dir_arg
+from ftmem.identity import job_root
 from ftmem.procs import pid_alive
 
 from examples.launch import report_figures, run_for_figures
@@ -167,13 +168,13 @@ def print_table(samples: list) -> None:
 
 
 def bench_soak(iters: int = 1000, mb: int = 8, n_samples: int = 6, shm_dir: str = "/dev/shm") -> dict:
-    logs = tempfile.mkdtemp(prefix="ftmem-bench-soak-")
     job = f"bench-soak-{os.getpid()}"
     t0 = time.perf_counter()
     try:
-        figures = run_for_figures("benchmarks.bench_soak", ["--iters", str(iters), "--mb", str(mb), "--samples",
-                                                            str(n_samples), "--shm-dir", shm_dir],
-                                  WORLD, job, logs, "soak", 120 + 5 * iters)
+        with tempfile.TemporaryDirectory(prefix="ftmem-bench-soak-") as logs:
+            figures = run_for_figures("benchmarks.bench_soak", ["--iters", str(iters), "--mb", str(mb), "--samples",
+                                                                str(n_samples), "--shm-dir", shm_dir],
+                                      WORLD, job, logs, "soak", 120 + 5 * iters)
         wall_s = time.perf_counter() - t0
         samples = figures["samples"]
         smp_pids = {r["smp_pid"] for s in samples for r in s if r["smp_pid"]}
@@ -182,7 +183,7 @@ def bench_soak(iters: int = 1000, mb: int = 8, n_samples: int = 6, shm_dir: str 
             time.sleep(0.05)
         smp_left = sorted(p for p in smp_pids if pid_alive(p))
         job_left = job in jobs.list_jobs(shm_dir)
-        shm_left = shm_bytes(os.path.join(shm_dir, "ftmem", job)) if job_left else 0
+        shm_left = shm_bytes(job_root(shm_dir, job)) if job_left else 0
     finally:
         jobs.clean(shm_dir, job)  # whatever the run left (nothing, if it freed its memory)
 
