@@ -114,7 +114,7 @@ print("restored", e.restore().version)
 
 
 RANK_SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import os, sys, time, traceback
     import torch, torch.distributed as dist
     from ftmem import SnapshotEngine, testhooks
 
@@ -133,18 +133,29 @@ RANK_SCRIPT = textwrap.dedent("""
                 flag(f"ready.{r}")
                 wait_for("go")
         testhooks.at = at
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(flags, "rendezvous"), rank=rank,
-                            world_size=2)
-    engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job, "ranks_per_node": 1, "ec": {"k": 1, "m": 1}},
-                            rank=rank, world_size=2)
-    engine.save({"w": torch.zeros(1 << 16)}, 1).wait_committed()
-    if mode == "stop":
-        flag(f"ready.{rank}")
-        wait_for("go")
-    # When rank 0's state grows, rank 1 grows its parity slot on its copy thread.
-    size = (1 << 16) * (4 if mode == "stop" and rank == 0 else 1)
-    engine.save({"w": torch.ones(size)}, 2).wait_committed()
-    print("saved version 2", flush=True)
+    def run():
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(flags, "rendezvous"), rank=rank,
+                                world_size=2)
+        engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job, "ranks_per_node": 1, "ec": {"k": 1, "m": 1}},
+                                rank=rank, world_size=2)
+        engine.save({"w": torch.zeros(1 << 16)}, 1).wait_committed()
+        if mode == "stop":
+            flag(f"ready.{rank}")
+            wait_for("go")
+        # When rank 0's state grows, rank 1 grows its parity slot on its copy thread.
+        size = (1 << 16) * (4 if mode == "stop" and rank == 0 else 1)
+        engine.save({"w": torch.ones(size)}, 2).wait_committed()
+        print("saved version 2", flush=True)
+
+    # The rank fails on purpose, with its gloo groups alive and perhaps moves in flight: it
+    # reports the error and leaves without finalizing, where gloo's threads can abort a
+    # process (examples/process_end.py), so that its exit code is the error's.
+    try:
+        run()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
 """)
 
 
