@@ -12,6 +12,7 @@ from .errors import (CollectiveNotJoined, ConfigError, CorruptShard, EcGeometryM
 from .format import FrameworkFormat
 from .gc_deferral import collection_deferred
 from .handle import SaveHandle
+from .identity import world_in_words
 from .logs import job_info, rank_info, restored_from_disk, restored_from_memory
 from .ownership import ForeignVersions
 from .parallel import ParallelLayout, gather_dp_groups
@@ -29,7 +30,7 @@ __all__ = [
     # the adapter seam and runtime
     "FrameworkFormat", "AdapterRuntime", "Resumption", "MEMORY", "DISK", "SCRATCH", "check_startup", "RestoreTargets",
     "TensorPlace", "collection_deferred",
-    "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins",
+    "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins", "world_in_words",
     # logging and the contract lines
     "job_info", "rank_info", "restored_from_memory", "restored_from_disk",
     # errors

@@ -73,6 +73,12 @@ def resolve_ranks_per_node(configured: Optional[int], world_size: int) -> int:
     return rpn
 
 
+def world_in_words(world_size: int, ranks_per_node: int) -> str:
+    """``4 ranks (2 nodes of 2)``: a job's world, as refusals name what a relaunch changed."""
+    nodes = world_size // ranks_per_node
+    return f"{world_size} rank{'s' * (world_size != 1)} ({nodes} node{'s' * (nodes != 1)} of {ranks_per_node})"
+
+
 def root_dir(shm_dir: str) -> str:
     """``<shm_dir>/ftmem-<uid>``: where this user's jobs keep their memory."""
     return os.path.join(shm_dir, f"{ROOT_PREFIX}{os.geteuid()}")

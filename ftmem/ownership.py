@@ -25,10 +25,10 @@ from typing import Optional
 import torch.distributed as dist
 
 from .errors import CorruptShard, FtmemError, LayoutMismatch
-from .identity import RankIdentity
-from .jobs import list_jobs, node_dirs, recorded_ranks
+from .identity import RankIdentity, world_in_words
+from .jobs import list_jobs, node_dirs, node_ranks, recorded_ranks
 from .restore import gather_objects
-from .slots import RankStore, ranks_in
+from .slots import CommitRecord, RankStore, ranks_in
 
 
 class ForeignVersions(FtmemError):
@@ -95,24 +95,43 @@ def versions_of_other_jobs(identity: RankIdentity) -> Optional[str]:
     rank's shared memory shows them, in words; None if there are none (or no origin)."""
     if identity.origin is None:
         return None
-    found: dict[str, set[int]] = {}
+    found: dict[str, list[int]] = {}
+    worlds: dict[str, str] = {}  # each job's world, where its records and node files tell it
     for job in list_jobs(identity.shm_dir):
         if job == identity.job:
             continue
         try:
-            stores = [RankStore(path, r) for _, path in node_dirs(identity.shm_dir, job) for r in ranks_in(path)]
-            for store in stores:
-                for version in store.committed():
-                    if store.read_commit(version).origin == identity.origin:
-                        found.setdefault(job, set()).add(version)
+            dirs = node_dirs(identity.shm_dir, job)
+            ours = [record for record in _readable_records(dirs) if record.origin == identity.origin]
         except (FtmemError, OSError):
             continue  # not this user's to read, or going away (ftmem clean): no version of ours
+        if ours:
+            found[job] = sorted({record.version for record in ours})
+            layout = next((record.layout for record in ours if record.layout is not None), None)
+            if layout is not None:  # its DP groups cover the world, each rank once
+                world = sum(len(group) for group in layout.dp_groups)
+                worlds[job] = f" on {world_in_words(world, len(node_ranks(dirs[0][1])))}"
     if not found:
         return None
-    held = "; ".join(f"job {job}: versions {sorted(vs)}" for job, vs in sorted(found.items()))
+    held = "; ".join(f"job {job}{worlds.get(job, '')}: versions {vs}" for job, vs in sorted(found.items()))
     jobs = " ".join(sorted(found))
-    return (f"this job ({identity.job}) holds no version in memory, but other jobs saved from its origin "
-            f"({identity.origin}) hold some ({held}). A relaunch at another world size or ranks per node derives "
+    return (f"this job ({identity.job}, on {world_in_words(identity.world_size, identity.ranks_per_node)}) holds no "
+            f"version in memory, but other jobs saved from its origin ({identity.origin}) hold some ({held}). A "
+            f"relaunch at another world size or ranks per node derives "
             f"another job id unless FTMEM_JOB_ID or \"job_id\" sets it, and ftmem restores from memory only onto "
             f"the layout a checkpoint was saved with. Relaunch as those versions were saved; or, to load from disk "
             f"(or start over) at this layout, free them first: ftmem clean --job {jobs} --shm-dir {identity.shm_dir}.")
+
+
+def _readable_records(dirs: list[tuple[int, str]]) -> list[CommitRecord]:
+    """The commit records that the node directories ``dirs`` hold and that can be read."""
+    records = []
+    for _, path in dirs:
+        for rank in ranks_in(path):
+            store = RankStore(path, rank)
+            for version in store.committed():
+                try:
+                    records.append(store.read_commit(version))
+                except (CorruptShard, OSError):
+                    continue  # unreadable: restore counts it as lost
+    return records

@@ -30,7 +30,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, NotRecoverableFromMemory, ParallelLayout,
                    Restored, RestoreTargets, check_startup, everyone_joins, flushed, gather_dp_groups, job_info,
-                   save_atomically)
+                   save_atomically, world_in_words)
 
 from .format import DeepSpeedFormat
 from .stub import is_stub, read_stub, write_stub
@@ -172,9 +172,10 @@ class FtmemCheckpointEngine(CheckpointEngine):
             return True
         version = self._version(files)
         runtime = self._start(info.save_dir)
+        identity = runtime.engine.identity
         for path, state_dict in files.items():
             metadata = {k: v for k, v in state_dict.items() if not _tensors(v)} if isinstance(state_dict, dict) else {}
-            write_stub(path, file_key(path), runtime.engine.identity.job, metadata)
+            write_stub(path, file_key(path), identity.job, metadata, (identity.world_size, identity.ranks_per_node))
         runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()}, "tag": info.tag},
                      version, replicated=lambda t: id(t) in replicated)
         return True
@@ -368,10 +369,15 @@ class FtmemCheckpointEngine(CheckpointEngine):
         """Refuse a checkpoint whose stubs another job wrote (a relaunch at another world
         size, or another FTMEM_JOB_ID, into the same save dir): this job's memory may hold a
         version of the same number, which is not that checkpoint."""
-        ours, theirs = self.runtime.engine.identity.job, read_stub(stub)["job"]
+        identity, info = self.runtime.engine.identity, read_stub(stub)
+        ours, theirs = identity.job, info["job"]
         if theirs != ours:
+            world = (identity.world_size, identity.ranks_per_node)
+            then = tuple(info.get("world") or world)  # stubs before 2026-11-26 do not say
+            changed = (f" Job {theirs} saved it on {world_in_words(*then)}; this job runs on "
+                       f"{world_in_words(*world)}." if then != world else "")
             raise FtmemError(
-                f"{stub} is a stub of job {theirs}'s in-memory checkpoint, but this job is {ours}. A job's id derives "
+                f"{stub} is a stub of job {theirs}'s in-memory checkpoint, but this job is {ours}.{changed} A job's id derives "
                 f"from its save dir and its world layout (world size, ranks per node) unless FTMEM_JOB_ID or "
                 f"\"job_id\" sets it, so a relaunch at another size is another job, and ftmem restores from memory "
                 f"only onto the layout a checkpoint was saved with. Relaunch as it was saved, or write real files "

@@ -35,10 +35,12 @@ class _Stub:
         return ftmem_guard.ftmem_in_memory_checkpoint_stub, (self.info,)
 
 
-def write_stub(path: str, tag_file: str, job: str, metadata: dict) -> None:
+def write_stub(path: str, tag_file: str, job: str, metadata: dict, world: tuple[int, int]) -> None:
+    """``world``: the writing job's (world size, ranks per node), for a refusal to name
+    what a relaunch at another size changed."""
     # Every DP replica writes the same model-states stub: each under a temporary name of its own.
     stub = io.BytesIO()
-    torch.save(_Stub({"tag_file": tag_file, "job": job, "metadata": metadata}), stub)
+    torch.save(_Stub({"tag_file": tag_file, "job": job, "metadata": metadata, "world": list(world)}), stub)
     write_atomically(path, stub.getvalue())
 
 
@@ -85,7 +87,8 @@ def _load(path: str, whole: bool):
 
 
 def read_stub(path: str) -> dict:
-    """A stub's info: ``tag_file``, ``job`` and ``metadata``; ValueError if ``path`` is none."""
+    """A stub's info: ``tag_file``, ``job``, ``metadata`` and ``world`` (not in stubs written
+    before 2026-11-26); ValueError if ``path`` is none."""
     try:
         return _load(path, whole=True)
     except _NotAStub:

@@ -573,14 +573,18 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, shm
     assert weights.keys() == final.keys() and all(torch.equal(weights[k], final[k]) for k in final)
 
 
-@pytest.mark.parametrize("restart", ["two nodes lost", "memory cleaned", "half the ranks"])
+@pytest.mark.parametrize("restart", ["two nodes lost", "memory cleaned", "half the ranks", "half the ranks, id derived"])
 def test_a_checkpoint_memory_cannot_give_back_is_refused_not_replaced_by_a_fresh_start(restart, shm_dir, tmp_path):
     """`latest` names an ftmem checkpoint, no disk holds one, and memory cannot give it
     back: more than m=1 nodes are lost, `ftmem clean` freed the job, or the job comes
-    back on 2 of its 4 ranks (the elastic case). DeepSpeed's default engine would have
-    loaded the checkpoint: ftmem refuses with the reason and frees nothing."""
-    world, ftmem = (4, {"ec": {"k": 1, "m": 1}}) if restart == "half the ranks" else (3, None)
-    job = DSJob("zero1.json", world, shm_dir, str(tmp_path / "run"), ftmem=ftmem)
+    back on 2 of its 4 ranks (the elastic case: under one FTMEM_JOB_ID, or with the job id
+    derived from the save dir and the world, where the relaunch is another job). DeepSpeed's
+    default engine would have loaded the checkpoint: ftmem refuses with the reason and frees
+    nothing."""
+    elastic = restart.startswith("half the ranks")
+    world, ftmem = (4, {"ec": {"k": 1, "m": 1}}) if elastic else (3, None)
+    job = DSJob("zero1.json", world, shm_dir, str(tmp_path / "run"), ftmem=ftmem,
+                env={"FTMEM_JOB_ID": ""} if restart.endswith("derived") else None)
     with job.start("--stop-after", str(STOP)) as run:
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
         run.kill_all()
@@ -595,9 +599,16 @@ def test_a_checkpoint_memory_cannot_give_back_is_refused_not_replaced_by_a_fresh
     elif restart == "memory cleaned":
         assert run_cli("clean", "--job", job.job, "--shm-dir", shm_dir).returncode == 0
         refusal = [refused + "memory holds no version of this job). ftmem does not start from scratch in its place."]
-    else:
+    elif restart == "half the ranks":
         job.world = 2
         refusal = [f"version {STOP + 1} was saved under another parallel layout (dp_groups ((0, 1, 2, 3),) -> ((0, 1),))"]
+    else:
+        [saved] = jobs.list_jobs(shm_dir)  # the id the four ranks derived
+        job.job, job.world = saved, 2
+        refusal = [", on 2 ranks (2 nodes of 1)) holds no version in memory, but other jobs saved from its origin",
+                   f"hold some (job {saved} on 4 ranks (4 nodes of 1): versions [{STOP}, {STOP + 1}]). A relaunch at "
+                   f"another world size or ranks per node derives another job id",
+                   f"free them first: ftmem clean --job {saved} --shm-dir {shm_dir}."]
     held = {n["node"]: n["versions"] for j in jobs.status(shm_dir, job.job)["jobs"] for n in j["nodes"]}
     codes = job.run("--load")
     assert all(code != 0 for code in codes), job.log(0)[-5000:]
@@ -610,9 +621,9 @@ def test_a_checkpoint_memory_cannot_give_back_is_refused_not_replaced_by_a_fresh
 
 def test_a_checkpoint_another_job_wrote_into_the_save_dir_is_refused_not_served_from_this_job_s_memory(shm_dir,
                                                                                                        tmp_path):
-    """A job is killed after step 3. Another job (another id, on other machines: its own
-    shared memory) then trains in the same save dir and writes its own stubs over the same
-    tags. The first job's restart holds its version 4 in memory, but global_step4 on disk
+    """A job is killed after step 3. Another job (another id and world size, on other
+    machines: its own shared memory) then trains in the same save dir and writes its own
+    stubs over the same tags. The first job's restart holds its version 4 in memory, but global_step4 on disk
     is now the other job's: it is refused, naming both jobs, never served from this job's
     memory."""
     world = 2
@@ -622,17 +633,18 @@ def test_a_checkpoint_another_job_wrote_into_the_save_dir_is_refused_not_served_
         run.kill_all()
     elsewhere = new_shm_dir()
     try:
-        other = DSJob("zero1.json", world, elsewhere, str(tmp_path / "other"), ftmem={"ec": {"k": 1, "m": 1}})
+        other = DSJob("zero1.json", world + 1, elsewhere, str(tmp_path / "other"), ftmem={"ec": {"k": 1, "m": 1}})
         other.args[other.args.index("--save-dir") + 1] = job.save_dir
         os.remove(os.path.join(job.save_dir, "latest"))  # the other job starts over on purpose
-        assert other.run() == [0] * world, other.log(0)[-5000:]
+        assert other.run() == [0] * other.world, other.log(0)[-5000:]
     finally:
         free_shm_dir(elsewhere)
     codes = job.run("--load")
     assert all(code != 0 for code in codes), job.log(0)[-5000:]
     stub = os.path.join(job.save_dir, f"global_step{STOP + 1}", "mp_rank_00_model_states.pt")
     for rank in range(world):
-        assert (f"{stub} is a stub of job {other.job}'s in-memory checkpoint, but this job is {job.job}. A job's id "
+        assert (f"{stub} is a stub of job {other.job}'s in-memory checkpoint, but this job is {job.job}. Job "
+                f"{other.job} saved it on 3 ranks (3 nodes of 1); this job runs on 2 ranks (2 nodes of 1). A job's id "
                 f"derives from its save dir and its world layout") in job.log(rank), job.log(rank)[-5000:]
         assert f"`ftmem export --job {other.job} --out DIR`" in job.log(rank)
         assert "resuming at step" not in job.log(rank)

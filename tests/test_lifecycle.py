@@ -297,8 +297,9 @@ def test_a_relaunch_under_a_derived_id_of_another_layout_names_the_versions_the_
     assert back.wait(TIMEOUT) == [1, 1], back.log(0)
     for rank in range(2):
         log = back.log(rank)[before[rank]:]
-        assert (f"holds no version in memory, but other jobs saved from its origin (save dir "
-                f"{os.path.realpath(tmp_path)}) hold some (job {first}: versions [2, 3])") in log, log[-3000:]
+        assert (f", on 2 ranks (1 node of 2)) holds no version in memory, but other jobs saved from its origin (save "
+                f"dir {os.path.realpath(tmp_path)}) hold some (job {first} on 2 ranks (2 nodes of 1): versions "
+                f"[2, 3])") in log, log[-3000:]
         assert f"free them first: ftmem clean --job {first} --shm-dir {shm_dir}." in log
         assert "resumes at step" not in log
     assert held(shm_dir, first) == {0: [2, 3], 1: [2, 3]}  # the relaunch's own job holds nothing
