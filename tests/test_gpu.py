@@ -86,7 +86,8 @@ def test_a_kill_while_device_copies_are_in_flight_leaves_the_older_version(shm_d
         e.save(state, 2).wait_committed()
         print("not killed")
     """)
-    env = dict(os.environ, PYTHONPATH=REPO, FTMEM_TEST_HOOK="mid_copy:kill:rank=0:version=2")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),  # test_gpu's conftest
+               FTMEM_TEST_HOOK="mid_copy:kill:rank=0:version=2")
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == -9, out.stdout + out.stderr
