@@ -41,11 +41,15 @@ def everyone_joins(what: str, advice: str) -> None:
     prefix = f"ftmem/rendezvous/{next(_calls)}/"
     store.set(f"{prefix}{rank}", b"")
     timeout_s = collective_timeout_s()
+    arrivals = [f"{prefix}{r}" for r in range(world)]
     try:
-        store.wait([f"{prefix}{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
-        proposal = _GO
-    except dist.DistStoreError:
-        proposal = _ABANDONED
+        store.wait(arrivals, datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:
+        # A wait that runs out raises DistStoreError from a TCPStore but a plain RuntimeError
+        # ("Wait timeout") from a FileStore (init_method="file://..."): which ranks came
+        # decides, not the error's type. A store that fails outright fails the check too.
+        pass
+    proposal = _GO if store.check(arrivals) else _ABANDONED
     if store.compare_set(f"{prefix}decision", b"", proposal) == _GO:
         # The last rank through takes the rendezvous's keys off the store: no rank waits on
         # them any more. (An abandoned one keeps its few keys: a late rank reads the decision.)

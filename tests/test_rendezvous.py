@@ -1,8 +1,12 @@
-"""ftmem.everyone_joins on a real two-rank job (gloo, the launcher's TCPStore)."""
+"""ftmem.everyone_joins on a real two-rank job (gloo), on the launcher's TCPStore and on
+the FileStore of ``init_method="file://..."`` (as DeepSpeed's own unit tests start their
+ranks): a FileStore's wait runs out with another error than a TCPStore's."""
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from examples.launch import free_port
 
@@ -11,8 +15,8 @@ RANK_SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     from ftmem import CollectiveNotJoined, everyone_joins
 
-    rank, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rank, init_method, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     store = dist.distributed_c10d._get_default_store()
     if mode == "joined":
         for _ in range(3):
@@ -33,12 +37,15 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_ranks(tmp_path, mode: str) -> list[str]:
+STORES = ["tcp", "file"]
+
+
+def run_ranks(tmp_path, store: str, mode: str) -> list[str]:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    port = str(free_port())
+    init_method = f"tcp://127.0.0.1:{free_port()}" if store == "tcp" else f"file://{tmp_path / 'store'}"
     env = dict(os.environ, FTMEM_COLLECTIVE_TIMEOUT_S="2", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, mode], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), init_method, mode], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env) for rank in range(2)]
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -49,12 +56,14 @@ def run_ranks(tmp_path, mode: str) -> list[str]:
     return outs
 
 
-def test_a_joined_rendezvous_leaves_no_keys_on_the_job_s_store(tmp_path):
-    outs = run_ranks(tmp_path, "joined")
+@pytest.mark.parametrize("store", STORES)
+def test_a_joined_rendezvous_leaves_no_keys_on_the_job_s_store(tmp_path, store):
+    outs = run_ranks(tmp_path, store, "joined")
     assert all("keys left: []" in out for out in outs), outs
 
 
-def test_a_rank_alone_is_refused_within_the_bound_and_a_late_one_at_once(tmp_path):
-    outs = run_ranks(tmp_path, "abandoned")
+@pytest.mark.parametrize("store", STORES)
+def test_a_rank_alone_is_refused_within_the_bound_and_a_late_one_at_once(tmp_path, store):
+    outs = run_ranks(tmp_path, store, "abandoned")
     assert "refused: a test read is a collective" in outs[0] and "ranks [1] did not within 2 s" in outs[0], outs
     assert "refused: a test read is a collective" in outs[1], outs
