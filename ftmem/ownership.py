@@ -38,13 +38,9 @@ class ForeignVersions(FtmemError):
 def foreign_versions(store: RankStore, origin: str) -> Optional[str]:
     """The versions this rank holds of another job, in words; None if all are this job's."""
     others: dict[Optional[str], list[int]] = {}
-    for version in sorted(store.committed()):
-        try:
-            record = store.read_commit(version)
-        except (CorruptShard, OSError):
-            continue  # unreadable: restore counts it as lost
+    for record in _readable_records(store):
         if record.origin != origin:
-            others.setdefault(record.origin, []).append(version)
+            others.setdefault(record.origin, []).append(record.version)
     return "; ".join(f"versions {v} saved from {o}" for o, v in others.items()) or None
 
 
@@ -102,7 +98,8 @@ def versions_of_other_jobs(identity: RankIdentity) -> Optional[str]:
             continue
         try:
             dirs = node_dirs(identity.shm_dir, job)
-            ours = [record for record in _readable_records(dirs) if record.origin == identity.origin]
+            ours = [record for _, path in dirs for rank in ranks_in(path)
+                    for record in _readable_records(RankStore(path, rank)) if record.origin == identity.origin]
         except (FtmemError, OSError):
             continue  # not this user's to read, or going away (ftmem clean): no version of ours
         if ours:
@@ -123,15 +120,13 @@ def versions_of_other_jobs(identity: RankIdentity) -> Optional[str]:
             f"(or start over) at this layout, free them first: ftmem clean --job {jobs} --shm-dir {identity.shm_dir}.")
 
 
-def _readable_records(dirs: list[tuple[int, str]]) -> list[CommitRecord]:
-    """The commit records that the node directories ``dirs`` hold and that can be read."""
+
+def _readable_records(store: RankStore) -> list[CommitRecord]:
+    """The commit records ``store`` holds that can be read, oldest first."""
     records = []
-    for _, path in dirs:
-        for rank in ranks_in(path):
-            store = RankStore(path, rank)
-            for version in store.committed():
-                try:
-                    records.append(store.read_commit(version))
-                except (CorruptShard, OSError):
-                    continue  # unreadable: restore counts it as lost
+    for version in sorted(store.committed()):
+        try:
+            records.append(store.read_commit(version))
+        except (CorruptShard, OSError):
+            continue  # unreadable: restore counts it as lost
     return records
