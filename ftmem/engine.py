@@ -194,12 +194,19 @@ class SnapshotEngine:
 
     wait_protected = wait
 
+    def wait_idle(self) -> None:
+        """Until the save thread is idle (the save in flight protected, its flush handed over):
+        only then may another thread use ftmem's groups, which the save thread's collectives
+        would otherwise reach in another order on each rank (one rank's all_reduce met
+        another's all_gather: a hang, or numbers taken from the wrong call)."""
+        self.wait()
+        self._committer.drain()
+
     def wait_flushed(self) -> None:
         """Until every save so far is protected and any flush it started is on disk.
         Without a persistent tier: until every save is protected. Raises if the last flush
         failed (the training itself went on: memory still protects the version)."""
-        self.wait()
-        self._committer.drain()  # the copy thread has handed over what was due
+        self.wait_idle()
         if self._committer.flusher is not None:
             self._committer.flusher.wait()
             self._committer.flusher.raise_failure()
@@ -241,7 +248,7 @@ class SnapshotEngine:
         is recoverable for every rank, and LayoutMismatch if it was saved under another layout.
         Newer versions are dropped unless ``drop_newer`` is False (tools' reads). ``into`` names
         the framework's tensors to restore into (:mod:`ftmem.destinations`)."""
-        self.wait()  # a save in flight commits first
+        self.wait_idle()  # a save in flight commits first, and its thread leaves the groups to this one
         return self._restorer.restore(version, torch.device(device), drop_newer, into)
 
     # -- end --------------------------------------------------------------------
@@ -271,16 +278,20 @@ class SnapshotEngine:
         """Whether every rank of the job says ``finished`` (collective, bounded by FINISH_TIMEOUT_S;
         False if a rank does not answer). Memory is freed only on a job-wide agreement, never
         because one rank or node ended, so a rank that died in the teardown keeps the versions."""
-        if self._finish_group is None:
-            return finished
-        vote = torch.tensor([int(finished)], dtype=torch.int64)
-        try:
-            dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._finish_group)
-        except Exception as e:  # a rank died, or the process groups were destroyed first
-            rank_warning(self.rank, "could not agree with the other ranks that the job finished (%s); the job's "
-                         "memory stays for a restart", e)
-            return False
-        return bool(vote.item())
+        return _vote_finished(self._finish_group, self.rank, finished)
+
+
+def _vote_finished(group: Optional[dist.ProcessGroup], rank: int, finished: bool) -> bool:
+    if group is None:
+        return finished
+    vote = torch.tensor([int(finished)], dtype=torch.int64)
+    try:
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+    except Exception as e:  # a rank died, or the process groups were destroyed first
+        rank_warning(rank, "could not agree with the other ranks that the job finished (%s); the job's memory stays "
+                     "for a restart", e)
+        return False
+    return bool(vote.item())
 
 
 def _end_groups(engine: SnapshotEngine) -> None:

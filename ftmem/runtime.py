@@ -151,12 +151,12 @@ class AdapterRuntime:
         except LayoutMismatch as e:  # EcGeometryMismatch included; the disk matters only if it may be loaded
             return self.refuse_memory(str(e), _seen_alike(seen) if self.config.allow_disk_fallback else newest_on_disk)
         except NotRecoverableFromMemory as e:
-            return self._without_memory(str(e), _seen_alike(seen))
+            return _without_memory(str(e), _seen_alike(seen))
         if restored is None:
-            return self._without_memory("memory holds no version of this job" if newest_on_disk is not None else None,
+            return _without_memory("memory holds no version of this job" if newest_on_disk is not None else None,
                                         _seen_alike(seen))
         if newest_on_disk is not None and restored.version < newest_on_disk:
-            return self._without_memory(f"memory's newest version {restored.version} is older than iteration "
+            return _without_memory(f"memory's newest version {restored.version} is older than iteration "
                                         f"{newest_on_disk} on disk", _seen_alike(seen))
         return Resumption(MEMORY, restored=restored)
 
@@ -177,7 +177,8 @@ class AdapterRuntime:
         return next((p for p in self.gather(problem) if p is not None), None)
 
     def gather(self, obj: Any) -> list:
-        """Every rank's ``obj``, by rank (collective over the job, on its gloo group)."""
+        """Every rank's ``obj``, by rank (collective over the job's gloo group, once the save thread is idle)."""
+        self.engine.wait_idle()
         return gather_objects(obj, self.engine.job_group)
 
     def refuse_memory(self, problem: str, disk_version: Optional[int]) -> Resumption:
@@ -190,11 +191,7 @@ class AdapterRuntime:
                                  f"--ftmem-allow-disk-fallback).")
         job_info("memory holds no version this job can use (%s); loading from disk as allow_disk_fallback allows",
                  problem)
-        return self._without_memory(problem, disk_version)
-
-    @staticmethod
-    def _without_memory(reason: Optional[str], disk_version: Optional[int]) -> Resumption:
-        return Resumption(DISK if disk_version is not None else SCRATCH, reason=reason)
+        return _without_memory(problem, disk_version)
 
     def resumed_from_memory(self, restored: Restored, detail: str = "", rng: bool = True) -> None:
         """The adapter loaded ``restored`` into the framework: put back the RNG (unless the
@@ -276,6 +273,10 @@ class AdapterRuntime:
             reason = reason if str(e) == reason else f"{reason}; then its close failed: {e}"
         # None: this run saved nothing and restored nothing (it failed first); what it held stays.
         _say_kept(self.engine.identity, max(self._kept_newer, default=self.engine.protected), reason)
+
+
+def _without_memory(reason: Optional[str], disk_version: Optional[int]) -> Resumption:
+    return Resumption(DISK if disk_version is not None else SCRATCH, reason=reason)
 
 
 def _say_kept(identity, newest: Optional[int], reason: str) -> None:

@@ -3,7 +3,7 @@ rank saves a replicated tensor per step, protected, and ends the way ``--end`` s
 
     python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close} [--persist DIR]
         [--persist-interval N] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
-        [--restore-into {rank-0,every-rank}]
+        [--restore-into {rank-0,every-rank}] [--load-while-saving]
 
 ``--end close`` closes the runtime itself, keeping the memory, before it returns. With
 ``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
@@ -12,11 +12,16 @@ runs N jobs side by side in each process (as a script with several DeepSpeed eng
 does), the others saving into subdirectories of ``--out``; their ids derive from those.
 ``--restore-into`` names a tensor of the rank's own for the restore to write the replicated
 tensor into (``AdapterRuntime.restore(into=...)``), on rank 0 only or on every rank.
+``--load-while-saving`` loads the newest version again right after the last step's save,
+its protection still in flight (DeepSpeed's rollback mid-run does so); rank 1 first lets
+its save thread reach the job-wide agreement, so that the ranks start the load's
+collectives in different orders against their save threads' unless ftmem waits.
 """
 import argparse
 import atexit
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -64,6 +69,7 @@ def main() -> None:
     p.add_argument("--ranks-per-node", type=int, default=1, help="with all ranks on one node, no parity (m=0)")
     p.add_argument("--runtimes", type=int, default=1)
     p.add_argument("--restore-into", choices=("rank-0", "every-rank"), default=None)
+    p.add_argument("--load-while-saving", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -107,14 +113,30 @@ def train(args, world: int) -> None:
         w = torch.full((1000,), float(step))  # the same on every rank: each snapshots half (DP sharding)
         for each in [runtime, *others]:
             each.save({"w": w}, step, replicated=lambda t: t is w)
-            each.wait_flushed()  # every version protected, and each interval-th on disk with --persist
+            if not (args.load_while_saving and step == args.steps):
+                each.wait_flushed()  # every version protected, and each interval-th on disk with --persist
     print(f"rank {dist.get_rank()}: trained to step {args.steps}", flush=True)
+    if args.load_while_saving:
+        load_while_saving(runtime)
     if args.end == "exit1":
         sys.exit(1)
     if args.end == "raise":
         raise RuntimeError("the training script failed")
     if args.end == "close":
         runtime.close(job_finished=False)
+
+
+def load_while_saving(runtime: AdapterRuntime) -> None:
+    rank = dist.get_rank()
+    if rank == 1:
+        runtime.wait_reusable()
+        time.sleep(2)  # its save thread commits a few bytes and waits in the job-wide agreement meanwhile
+    print(f"rank {rank}: loading while saving", flush=True)
+    resumption = runtime.restore()
+    w = resumption.restored.state["w"]
+    runtime.resumed_from_memory(resumption.restored)
+    print(f"rank {rank}: loaded version {resumption.restored.version}: w = {sorted(set(w.tolist()))} x {w.numel()}",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,25 @@ def test_a_last_flush_that_fails_keeps_memory_and_still_says_how_to_free_it(shm_
     assert line and "the persistent tier could not write version 3" in line.group(1), ended.log(0)[-3000:]
 
 
+def test_a_load_while_a_save_is_protected_waits_for_the_save_thread(shm_dir, tmp_path):
+    """A load right after a save (DeepSpeed's rollback mid-run) ran its first collective on
+    ftmem's job group while the save thread could still be in its own (the agreement that
+    every rank committed): rank 0's save thread held after its commit, rank 1's already in
+    the agreement, the ranks reached that group in different orders, and rank 0's gather met
+    rank 1's all_reduce (CI hung there). A load now waits for the save thread first."""
+    job, hooks = job_id(), tmp_path / "hooks"
+    hooks.mkdir()
+    hold = {0: {"FTMEM_TEST_HOOK": "after_commit:hold:rank=0:version=2", "FTMEM_TEST_HOOK_DIR": str(hooks)}}
+    with run(shm_dir, tmp_path, "--steps", "2", "--ranks-per-node", "2", "--load-while-saving", job=job,
+             rank_env=hold) as loading:
+        loading.wait_for(lambda: (hooks / "paused.rank0.v2").exists() and "loading while saving" in loading.log(1),
+                         TIMEOUT, "rank 0's save thread held, rank 1 loading")
+        (hooks / "resume.rank0.v2").touch()
+        assert loading.wait(TIMEOUT) == [0, 0], loading.tails()
+    for rank in range(2):
+        assert f"rank {rank}: loaded version 2: w = [2.0] x 1000" in loading.log(rank), loading.log(rank)[-3000:]
+
+
 def test_a_finish_with_its_newest_version_on_disk_frees_memory(shm_dir, tmp_path):
     job, persist = job_id(), tmp_path / "persist"
     done = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job)
