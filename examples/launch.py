@@ -27,6 +27,19 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.05)
 
 
+#: every rank started here, so that a harness cut short (a test past its time limit) can end those left
+_started: list[subprocess.Popen] = []
+
+
+def kill_ranks_left_running() -> None:
+    """SIGKILL every rank started here that still runs, and reap it."""
+    for proc in _started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _started.clear()
+
+
 class LocalJob:
     """``world_size`` processes running ``python -m <module> <args>`` as ranks of one job."""
 
@@ -45,6 +58,7 @@ class LocalJob:
                 self.procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=proc_env,
                                                    stdout=log, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL))
+        _started.extend(self.procs)
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"rank{rank}.log")

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from examples.launch import kill_ranks_left_running
 from ftmem import jobs
 from ftmem.procs import cmdline, pid_alive
 
@@ -27,6 +28,26 @@ def _leftover_smps() -> list[int]:
             if any("ftmem.smp" in a for a in args) and any(TEST_SHM_PREFIX in a for a in args):
                 pids.append(int(entry))
     return pids
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """No rank of a test outlives it: one cut by pytest-timeout never reached the kill its
+    own code has, and its hung ranks would wait on their peers for gloo's half hour."""
+    yield
+    kill_ranks_left_running()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the tails of the rank logs under its tmp_path: a test
+    cut by pytest-timeout never reaches its own assertion messages, which show them."""
+    report = (yield).get_result()
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when == "call" and report.failed and tmp is not None:
+        for log in sorted(glob.glob(os.path.join(str(tmp), "**", "rank*.log"), recursive=True))[:16]:
+            with open(log, errors="replace") as f:
+                report.sections.append((f"log {os.path.relpath(log, str(tmp))}", f.read()[-2000:]))
 
 
 @pytest.fixture(scope="session", autouse=True)
