@@ -120,7 +120,6 @@ def versions_of_other_jobs(identity: RankIdentity) -> Optional[str]:
             f"(or start over) at this layout, free them first: ftmem clean --job {jobs} --shm-dir {identity.shm_dir}.")
 
 
-
 def _readable_records(store: RankStore) -> list[CommitRecord]:
     """The commit records ``store`` holds that can be read, oldest first."""
     records = []

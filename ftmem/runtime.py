@@ -154,10 +154,10 @@ class AdapterRuntime:
             return _without_memory(str(e), _seen_alike(seen))
         if restored is None:
             return _without_memory("memory holds no version of this job" if newest_on_disk is not None else None,
-                                        _seen_alike(seen))
+                                   _seen_alike(seen))
         if newest_on_disk is not None and restored.version < newest_on_disk:
             return _without_memory(f"memory's newest version {restored.version} is older than iteration "
-                                        f"{newest_on_disk} on disk", _seen_alike(seen))
+                                   f"{newest_on_disk} on disk", _seen_alike(seen))
         return Resumption(MEMORY, restored=restored)
 
     def restore_named(self, version: int) -> Restored:
