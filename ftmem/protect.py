@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -286,24 +286,44 @@ class ColumnCoder:
         send = self._buffer("send", len(outgoing) * piece)
         send_np = send.numpy()
         for i, (_, _, stripe, code) in enumerate(outgoing):
-            dst = send_np[i * piece : (i + 1) * piece]
-            if code < k:  # a data piece of this member
-                self._put_piece(dst, data, lengths[pos], code * piece, piece)
-            else:  # a parity piece this member holds
-                index = g.parity_held(pos).index((stripe, code - k))
-                dst[:] = parity[1][index * piece : (index + 1) * piece]
+            member_piece(g, pos, stripe, code, piece, data, lengths[pos], parity and parity[1],
+                         send_np[i * piece : (i + 1) * piece])
         recv = self._buffer("recv", len(incoming) * piece)
         self._all_to_all(recv, send, incoming, outgoing, piece)
         if pos not in lost:
             return None
         recv_np = recv.numpy()
-        rebuilt = np.zeros(k * piece, dtype=np.uint8)
-        for p in range(k):
-            stripe = g.stripe_of_piece(pos, p)
-            available = {code: recv_np[i * piece : (i + 1) * piece]
-                         for i, (_, _, s, code) in enumerate(incoming) if s == stripe}
-            self.codec.rebuild(available, {p: rebuilt[p * piece : (p + 1) * piece]})
-        return records[pos], rebuilt[: lengths[pos]]
+        received = {(s, code): recv_np[i * piece : (i + 1) * piece] for i, (_, _, s, code) in enumerate(incoming)}
+        return records[pos], decode_member(self.codec, g, pos, held, has_data, has_parity,
+                                           lambda stripe, code: received[(stripe, code)])
+
+
+def member_piece(group: ECGroup, pos: int, stripe: int, code: int, piece: int, data: Optional[np.ndarray],
+                 length: int, parity: Optional[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """Member ``pos``'s piece ``code`` of ``stripe``, into ``out``: a data piece (code < k) of
+    its ``data`` (``length`` bytes, zeros past them), or one of the parity pieces it holds."""
+    if code < group.k:
+        ColumnCoder._put_piece(out, data, length, code * piece, piece)
+    else:
+        index = group.parity_held(pos).index((stripe, code - group.k))
+        out[:] = parity[index * piece : (index + 1) * piece]
+    return out
+
+
+def decode_member(codec: Codec, group: ECGroup, pos: int, parity: ParityRecord, has_data: set[int],
+                  has_parity: set[int], piece_of: Callable[[int, int], np.ndarray]) -> np.ndarray:
+    """Member ``pos``'s data, decoded stripe by stripe from the pieces of each stripe's
+    sources among the members that hold data and parity (:func:`stripe_sources`):
+    ``piece_of(stripe, code)`` gives each; ``parity`` (any holder's record) gives the piece
+    size and the members' lengths."""
+    k, piece = group.k, parity.piece_size
+    rebuilt = np.zeros(k * piece, dtype=np.uint8)
+    for p in range(k):
+        stripe = group.stripe_of_piece(pos, p)
+        sources = stripe_sources(group, stripe, has_data, has_parity)
+        available = {code: piece_of(stripe, code) for _, code in sources}
+        codec.rebuild(available, {p: rebuilt[p * piece : (p + 1) * piece]})
+    return rebuilt[: parity.lengths[pos]]
 
 
 class _Exchange:
