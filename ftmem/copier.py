@@ -145,6 +145,12 @@ def shard_bytes(slot_bytes: torch.Tensor, plan: SnapshotPlan) -> torch.Tensor:
     return slot_bytes[plan.shard.offset : plan.shard.offset + plan.shard.nbytes]
 
 
+def joined_stream(replicas: Sequence[tuple[torch.Tensor, SnapshotPlan]]) -> torch.Tensor:
+    """The whole replicated stream, in private memory, from every replica's (slot bytes,
+    plan), in replica order: for a reader that holds every replica's slot."""
+    return torch.cat([shard_bytes(slot_bytes, plan) for slot_bytes, plan in replicas])
+
+
 def read_from_slot(slot_bytes: torch.Tensor, plan: SnapshotPlan, device: torch.device,
                    replicated_stream: Optional[Callable[[], torch.Tensor]] = None,
                    into: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ already holds the checkpoint directory or a pointer file it would replace.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import sys
@@ -31,7 +32,7 @@ from typing import Any, Optional, TextIO
 import torch
 
 from . import integrity, jobs
-from .copier import read_from_slot, shard_bytes
+from .copier import joined_stream, read_from_slot
 from .errors import CorruptShard, FtmemError
 from .format import FrameworkFormat, format_named
 from .persist import publish
@@ -156,11 +157,10 @@ def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
             for r in group:
                 mm = mapped.enter_context(held.stores[r].map_slot(records[r].slot, writable=True))  # only read;
                 slots[r] = torch.frombuffer(mm, dtype=torch.uint8)  # writable spares a copy
-            def stream() -> torch.Tensor:  # the replicated stream, from every replica's slice, in order
-                return torch.cat([shard_bytes(slots[r], records[r].plan) for r in group])  # (private memory)
-
-            tensors = read_from_slot(slots[rank], record.plan, torch.device("cpu"), stream)
-            del slots  # the maps close with no view left
+            replicas = [(slots[r], records[r].plan) for r in group]
+            tensors = read_from_slot(slots[rank], record.plan, torch.device("cpu"),
+                                     functools.partial(joined_stream, replicas))
+            del slots, replicas  # the maps close with no view left
         # A slot's commit marker goes before it is overwritten: if every marker is still
         # there, what was read is the version.
         overwritten = [r for r in group if held.stores[r].committed().get(version) != records[r].slot]

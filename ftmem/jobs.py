@@ -100,15 +100,19 @@ def lose_node(shm_dir: str, job: str, node: int) -> None:
 def clean(shm_dir: str, job: str) -> list[str]:
     """Stop the job's SMPs and delete its shared memory; returns the paths freed. Ranks of
     the job still running stop at their next save with SharedMemoryRemoved."""
-    freed = []
-    for _, path in node_dirs(shm_dir, job):
-        pid = running_smp(path)
-        if pid is not None:
-            stop_smp(pid)
-        shutil.rmtree(path, ignore_errors=True)
-        freed.append(path)
+    freed = [path for _, path in node_dirs(shm_dir, job)]
+    for path in freed:
+        free_node(path)
     try:
         os.rmdir(job_root(shm_dir, job))
     except OSError:
         pass
     return freed
+
+
+def free_node(path: str) -> None:
+    """Stop a node directory's SMP and delete the directory."""
+    pid = running_smp(path)
+    if pid is not None:
+        stop_smp(pid)
+    shutil.rmtree(path, ignore_errors=True)
