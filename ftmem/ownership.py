@@ -38,7 +38,7 @@ class ForeignVersions(FtmemError):
 def foreign_versions(store: RankStore, origin: str) -> Optional[str]:
     """The versions this rank holds of another job, in words; None if all are this job's."""
     others: dict[Optional[str], list[int]] = {}
-    for record in _readable_records(store):
+    for record in readable_records(store):
         if record.origin != origin:
             others.setdefault(record.origin, []).append(record.version)
     return "; ".join(f"versions {v} saved from {o}" for o, v in others.items()) or None
@@ -86,41 +86,54 @@ def refuse_another_node_layout(identity: RankIdentity, group: Optional[dist.Proc
             f"instead, free the job's memory first: ftmem clean --job {identity.job} --shm-dir {identity.shm_dir}")
 
 
-def versions_of_other_jobs(identity: RankIdentity) -> Optional[str]:
-    """The versions that jobs under other ids saved from this job's origin, as far as this
-    rank's shared memory shows them, in words; None if there are none (or no origin)."""
+def other_jobs_of_origin(identity: RankIdentity) -> dict[str, dict[int, str]]:
+    """{job: {node: node directory}} of the jobs under other ids whose memory, as far as
+    this rank's shared memory shows it, holds versions saved from this job's origin."""
+    found: dict[str, dict[int, str]] = {}
     if identity.origin is None:
-        return None
-    found: dict[str, list[int]] = {}
-    worlds: dict[str, str] = {}  # each job's world, where its records and node files tell it
+        return found
     for job in list_jobs(identity.shm_dir):
         if job == identity.job:
             continue
         try:
-            dirs = node_dirs(identity.shm_dir, job)
-            ours = [record for _, path in dirs for rank in ranks_in(path)
-                    for record in _readable_records(RankStore(path, rank)) if record.origin == identity.origin]
+            dirs = dict(node_dirs(identity.shm_dir, job))
+            if any(record.origin == identity.origin for path in dirs.values() for rank in ranks_in(path)
+                   for record in readable_records(RankStore(path, rank))):
+                found[job] = dirs
         except (FtmemError, OSError):
             continue  # not this user's to read, or going away (ftmem clean): no version of ours
-        if ours:
-            found[job] = sorted({record.version for record in ours})
-            layout = next((record.layout for record in ours if record.layout is not None), None)
-            if layout is not None:  # its DP groups cover the world, each rank once
-                world = sum(len(group) for group in layout.dp_groups)
-                worlds[job] = f" on {world_in_words(world, len(node_ranks(dirs[0][1])))}"
+    return found
+
+
+def versions_of_other_jobs(identity: RankIdentity) -> Optional[str]:
+    """The versions that jobs under other ids saved from this job's origin, as far as this
+    rank's shared memory shows them, in words; None if there are none (or no origin)."""
+    found: dict[str, list[int]] = {}
+    worlds: dict[str, str] = {}  # each job's world, where its records and node files tell it
+    for job, dirs in other_jobs_of_origin(identity).items():
+        ours = [record for path in dirs.values() for rank in ranks_in(path)
+                for record in readable_records(RankStore(path, rank)) if record.origin == identity.origin]
+        found[job] = sorted({record.version for record in ours})
+        layout = next((record.layout for record in ours if record.layout is not None), None)
+        if layout is not None:  # its DP groups cover the world, each rank once
+            world = sum(len(group) for group in layout.dp_groups)
+            worlds[job] = f" on {world_in_words(world, len(node_ranks(next(iter(dirs.values())))))}"
     if not found:
         return None
     held = "; ".join(f"job {job}{worlds.get(job, '')}: versions {vs}" for job, vs in sorted(found.items()))
-    jobs = " ".join(sorted(found))
     return (f"this job ({identity.job}, on {world_in_words(identity.world_size, identity.ranks_per_node)}) holds no "
-            f"version in memory, but other jobs saved from its origin ({identity.origin}) hold some ({held}). A "
-            f"relaunch at another world size or ranks per node derives "
-            f"another job id unless FTMEM_JOB_ID or \"job_id\" sets it, and ftmem restores from memory only onto "
-            f"the layout a checkpoint was saved with. Relaunch as those versions were saved; or, to load from disk "
-            f"(or start over) at this layout, free them first: ftmem clean --job {jobs} --shm-dir {identity.shm_dir}.")
+            f"version in memory, but other jobs saved from its origin ({identity.origin}) hold some ({held}).")
 
 
-def _readable_records(store: RankStore) -> list[CommitRecord]:
+def other_worlds_refused(identity: RankIdentity, held: str, why: str) -> str:
+    """The refusal of the versions ``held`` (:func:`versions_of_other_jobs`), for ``why``."""
+    jobs = " ".join(sorted(other_jobs_of_origin(identity)))
+    return (f"{held} A relaunch at another world size or ranks per node derives another job id unless FTMEM_JOB_ID "
+            f"or \"job_id\" sets it, and {why}. Relaunch as those versions were saved; or, to load from disk (or start "
+            f"over) at this layout, free them first: ftmem clean --job {jobs} --shm-dir {identity.shm_dir}.")
+
+
+def readable_records(store: RankStore) -> list[CommitRecord]:
     """The commit records ``store`` holds that can be read, oldest first."""
     records = []
     for version in sorted(store.committed()):

@@ -33,12 +33,13 @@ import torch.distributed as dist
 from . import testhooks
 from .config import FtmemConfig
 from .destinations import RestoreTargets
+from .elastic import Adopted, adopt
 from .engine import SnapshotEngine
 from .errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from .format import FrameworkFormat
 from .handle import SaveHandle
 from .logs import announce, job_info, restored_from_disk, restored_from_memory
-from .ownership import versions_of_other_jobs
+from .ownership import other_worlds_refused, versions_of_other_jobs
 from .parallel import ParallelLayout
 from .identity import check_node_layout
 from .persist import Flusher, check_writable
@@ -52,7 +53,8 @@ class Resumption:
     """Where a restart resumes from, decided the same way on every rank."""
 
     source: str  # MEMORY, DISK or SCRATCH
-    restored: Optional[Restored] = None  # the version, when the source is memory
+    restored: Optional[Restored] = None  # the version, when the source is this job's memory
+    adopted: Optional[Adopted] = None  # the version, when the source is another world's job's memory
     reason: Optional[str] = None  # why memory did not serve, when it did not and something was there
 
 
@@ -79,6 +81,7 @@ class AdapterRuntime:
                                              world_size=self.engine.identity.world_size))
         self._crashed = self._finished = False
         self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (restore_named)
+        self._adopted: Optional[Adopted] = None  # another world's version this job resumed from, until freed
         self.last_restore: Optional[RestoreTimes] = None  # where the last load from memory spent its time
         _close_at_exit(self)
 
@@ -102,6 +105,7 @@ class AdapterRuntime:
         self._handle = self.engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
                                         persist=persist)
         self._kept_newer = []  # the save dropped every version >= its own
+        self._free_adopted_once_protected()  # the save waited for the previous one's protection
         return self._handle
 
     def wait_reusable(self) -> None:
@@ -110,19 +114,8 @@ class AdapterRuntime:
             self._handle.wait_reusable()
 
     def make_step_wait(self, optimizer) -> None:
-        """Make ``optimizer.step`` wait for the last snapshot's copy first (once per
-        optimizer): every caller of the step is covered, with no hook in the loop."""
-        if optimizer is None or getattr(optimizer.step, "_ftmem_waits", False):
-            return
-        stock_step = optimizer.step
-
-        @functools.wraps(stock_step)
-        def step(*args, **kwargs):
-            self.wait_reusable()
-            return stock_step(*args, **kwargs)
-
-        step._ftmem_waits = True
-        optimizer.step = step
+        """Make ``optimizer.step`` wait for the last snapshot's copy first (:func:`_wait_before_step`)."""
+        _wait_before_step(optimizer, self.wait_reusable)
 
     def wait_protected(self) -> None:
         """Until every save so far is committed and protected on every rank."""
@@ -133,32 +126,32 @@ class AdapterRuntime:
         self.engine.wait_flushed()
 
     # -- restore ------------------------------------------------------------------------
-    def restore(self, disk_version: Optional[int] = None, into: Optional[RestoreTargets] = None) -> Resumption:
+    def restore(self, disk_version: Optional[int] = None, into: Optional[RestoreTargets] = None,
+                other_worlds: Optional[Callable[[ParallelLayout], Optional[str]]] = None) -> Resumption:
         """Decide where to resume (collective): the newest version memory can recover for every
         rank (restored into the tensors ``into`` names: :mod:`ftmem.destinations`), unless the
         newest disk checkpoint (``disk_version``: this rank's view, None if none) is newer; else
-        disk, which every rank must see alike; else scratch. A version saved under another layout
-        or EC geometry, and versions other job ids saved from this save dir while this job holds
-        none (a relaunch at another size derives another id), are refused with the reason (memory
-        left as it is), or skipped for the disk when ``allow_disk_fallback``."""
+        disk, which every rank must see alike; else scratch. A version of another layout or EC
+        geometry, or of another world's job while this job holds none (unless ``other_worlds``
+        lets it adopt that: :func:`_adopt`), is refused with the reason (memory left as it is),
+        or skipped for the disk when ``allow_disk_fallback``."""
         seen = self.gather(disk_version)
         newest_on_disk = max((v for v in seen if v is not None), default=None)
         try:
             restored = self.engine.restore(into=into)
-            others = None if restored else self.agree(versions_of_other_jobs(self.engine.identity))
-            if others is not None:
-                raise LayoutMismatch(others)
+            adopted = None if restored else _adopt(self.engine, self.format.name, self.agree, other_worlds)
         except LayoutMismatch as e:  # EcGeometryMismatch included; the disk matters only if it may be loaded
             return self.refuse_memory(str(e), _seen_alike(seen) if self.config.allow_disk_fallback else newest_on_disk)
         except NotRecoverableFromMemory as e:
             return _without_memory(str(e), _seen_alike(seen))
-        if restored is None:
+        found = restored or adopted
+        if found is None:
             return _without_memory("memory holds no version of this job" if newest_on_disk is not None else None,
                                    _seen_alike(seen))
-        if newest_on_disk is not None and restored.version < newest_on_disk:
-            return _without_memory(f"memory's newest version {restored.version} is older than iteration "
+        if newest_on_disk is not None and found.version < newest_on_disk:
+            return _without_memory(f"memory's newest version {found.version} is older than iteration "
                                    f"{newest_on_disk} on disk", _seen_alike(seen))
-        return Resumption(MEMORY, restored=restored)
+        return Resumption(MEMORY, restored=restored, adopted=adopted)
 
     def restore_named(self, version: int) -> Restored:
         """Restore ``version``, which the script asked for by name (collective): that version
@@ -204,6 +197,17 @@ class AdapterRuntime:
         self.last_restore = restored.times
         announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
 
+    def resumed_by_adoption(self, adopted: Adopted, detail: str = "") -> None:
+        """The adapter loaded ``adopted`` into the framework (its RNG states, the old world's
+        ranks', stay unused): say so. Its memory is freed once this job protects a version."""
+        self._adopted, self.last_restore = adopted, None
+        announce(restored_from_memory(adopted.version, self.rank, f"{detail}, {adopted}"))
+
+    def _free_adopted_once_protected(self) -> None:
+        if self._adopted is not None and self.engine.protected is not None:
+            self._adopted, adopted = None, self._adopted
+            adopted.free(self.engine.identity.shm_dir)
+
     def resumed_from_disk(self, iteration: int, directory: str, reason: Optional[str]) -> None:
         announce(restored_from_disk(iteration, directory, self.rank, reason))
 
@@ -246,6 +250,7 @@ class AdapterRuntime:
         if problem is None:
             try:
                 self.engine.wait_flushed()
+                self._free_adopted_once_protected()
             except Exception as e:
                 problem = str(e)
         # Every rank ended cleanly, or none does anything collective beyond this vote.
@@ -273,6 +278,41 @@ class AdapterRuntime:
             reason = reason if str(e) == reason else f"{reason}; then its close failed: {e}"
         # None: this run saved nothing and restored nothing (it failed first); what it held stays.
         _say_kept(self.engine.identity, max(self._kept_newer, default=self.engine.protected), reason)
+
+
+def _wait_before_step(optimizer, wait: Callable[[], None]) -> None:
+    """Make ``optimizer.step`` call ``wait`` first (once per optimizer): every caller of the
+    step is covered, with no hook in the training loop."""
+    if optimizer is None or getattr(optimizer.step, "_ftmem_waits", False):
+        return
+    stock_step = optimizer.step
+
+    @functools.wraps(stock_step)
+    def step(*args, **kwargs):
+        wait()
+        return stock_step(*args, **kwargs)
+
+    step._ftmem_waits = True
+    optimizer.step = step
+
+
+def _adopt(engine: SnapshotEngine, format_name: str, agree: Callable[[Optional[str]], Optional[str]],
+           other_worlds: Optional[Callable[[ParallelLayout], Optional[str]]]) -> Optional[Adopted]:
+    """The version of another world's job from this job's origin (collective), adopted
+    (:mod:`ftmem.elastic`) where ``other_worlds`` says the adapter can load it; None if
+    there is none; else LayoutMismatch saying why not."""
+    identity = engine.identity
+    others = agree(versions_of_other_jobs(identity))
+    if others is None:
+        return None
+    if other_worlds is None:
+        raise LayoutMismatch(other_worlds_refused(identity, others, "this framework's adapter restores from memory "
+                                                  "only onto the layout a checkpoint was saved with"))
+    engine.wait_idle()
+    try:
+        return adopt(identity, engine.job_group, format_name, other_worlds)
+    except LayoutMismatch as e:
+        raise LayoutMismatch(other_worlds_refused(identity, others, f"ftmem cannot resume from them: {e}")) from e
 
 
 def _without_memory(reason: Optional[str], disk_version: Optional[int]) -> Resumption:

@@ -28,7 +28,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from ftmem import (DISK, MEMORY, AdapterRuntime, FtmemConfig, FtmemError, NotRecoverableFromMemory, ParallelLayout,
+from ftmem import (DISK, MEMORY, Adopted, AdapterRuntime, FtmemConfig, FtmemError, NotRecoverableFromMemory, ParallelLayout,
                    Restored, RestoreTargets, check_startup, everyone_joins, flushed, gather_dp_groups, job_info,
                    save_atomically, world_in_words)
 
@@ -113,6 +113,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._memory_failed: Optional[str] = None  # why memory could not serve a restart, when it could not
         self._dir: Optional[str] = None  # the save dir: the job's origin
         self._served: Optional[tuple[str, dict]] = None  # (tag, every rank's files) last read by path
+        self._adopted_job: Optional[str] = None  # the job of another world whose version the last load adopted
         self._pid = os.getpid()
         FtmemCheckpointEngine._live[next(FtmemCheckpointEngine._created)] = self
 
@@ -342,8 +343,11 @@ class FtmemCheckpointEngine(CheckpointEngine):
             return self._resumed_from_memory(self._restore_tag(named, resume=True))
         persist_dir = self.config.persist.dir
         on_disk = flushed(persist_dir)[-1] if persist_dir and flushed(persist_dir) else None
-        resumption = self.runtime.restore(disk_version=on_disk["version"] if on_disk else None, into=into)
-        if resumption.source == MEMORY:
+        resumption = self.runtime.restore(disk_version=on_disk["version"] if on_disk else None, into=into,
+                                          other_worlds=self._cannot_load)
+        if resumption.adopted is not None:
+            self._resumed_by_adoption(resumption.adopted)
+        elif resumption.source == MEMORY:
             self._resumed_from_memory(resumption.restored)
         elif resumption.source == DISK:
             self._disk_dir = os.path.join(persist_dir, on_disk["name"])
@@ -352,6 +356,33 @@ class FtmemCheckpointEngine(CheckpointEngine):
         else:
             self._memory_failed = resumption.reason  # said by resume_point, or in the stub read's refusal
         return self._restored
+
+    def _cannot_load(self, saved: ParallelLayout) -> Optional[str]:
+        """Why DeepSpeed cannot load, on this job's world, a version saved under the layout
+        ``saved`` (another world's); None if it can. Its ZeRO-1 and ZeRO-2 loaders read every
+        old DP rank's optimizer partition (repartitioned by the elastic loader, when the
+        config asks for it) and the module states, which the old world's version holds."""
+        now = self._layout
+        if saved.pp_size > 1 or now.pp_size > 1:
+            return ("it resumes DeepSpeed from another world's memory only without pipeline or model parallelism "
+                    f"(saved with {saved.pp_size} model-parallel rank(s), now {now.pp_size})")
+        if 3 in (saved.zero_stage, now.zero_stage):
+            return ("it resumes DeepSpeed from another world's memory only at ZeRO stages 0 to 2 (ZeRO-3 partitions "
+                    f"the module as well; saved at stage {saved.zero_stage}, now {now.zero_stage})")
+        if saved.zero_stage != now.zero_stage:
+            return f"they were saved at ZeRO stage {saved.zero_stage}, and this job runs stage {now.zero_stage}"
+        return None
+
+    def _resumed_by_adoption(self, adopted: Adopted) -> None:
+        """Serve another world's version: every old rank's files (the model states from the
+        lowest old rank, as the default engine writes them from the first DP replica)."""
+        files: dict = {}
+        for state in adopted.states:
+            for key, file in state["files"].items():
+                files.setdefault(key, file)
+        tag = adopted.states[0]["tag"]
+        self._restored, self._adopted_job = {"files": files, "tag": tag}, adopted.job
+        self.runtime.resumed_by_adoption(adopted, detail=f"tag {tag}")
 
     def _restore_tag(self, path: str, resume: bool) -> Restored:
         """The version whose stub ``path`` is, from memory (collective), or a refusal: for the
@@ -371,7 +402,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         version of the same number, which is not that checkpoint."""
         identity, info = self.runtime.engine.identity, read_stub(stub)
         ours, theirs = identity.job, info["job"]
-        if theirs != ours:
+        if theirs not in (ours, self._adopted_job):
             world = (identity.world_size, identity.ranks_per_node)
             then = tuple(info.get("world") or world)  # stubs before 2026-11-26 do not say
             changed = (f" Job {theirs} saved it on {world_in_words(*then)}; this job runs on "

@@ -246,6 +246,57 @@ def test_an_elastic_zero1_checkpoint_resumes_as_deepspeed_s_elastic_loader_does(
     assert_same_training(outs["ftmem"], outs["reference"], world, ITERS)
 
 
+@pytest.mark.parametrize("config, ftmem, before, lost, after, load", [
+    # DeepSpeed's elastic loader joins every old rank's fp32 partition and cuts it for 3 ranks
+    # (with the optimizer's moments, DeepSpeed refuses another DP size: ZeRORuntimeException)
+    ("zero1-elastic.json", {"ec": {"k": 2, "m": 1}}, 4, 1, 3, ("--no-optimizer-states",)),
+    # the module alone, at half the DP size (DeepSpeed loads it at any size)
+    ("zero1.json", {"ec": {"k": 1, "m": 1}}, 4, 1, 2, ("--module-only",)),
+    # growing back: 2 nodes' memory read by the ranks of 4
+    ("zero1-elastic.json", {"ec": {"k": 1, "m": 1}}, 2, None, 4, ("--no-optimizer-states",)),
+])
+def test_a_relaunch_on_another_number_of_nodes_resumes_from_the_old_world_s_memory_as_deepspeed_loads_its_files(
+        config, ftmem, before, lost, after, load, shm_dir, tmp_path):
+    """Ranks on virtual nodes of one rank stop after step 3 and are killed; ftmem's job may
+    also lose a node; each job comes back on another number of ranks (its job id derived
+    from the new world). ftmem's relaunch adopts the old world's version from memory (the
+    lost node's rank rebuilt from parity), where DeepSpeed's default engine loads its
+    files: the resumed training is bitwise the same. The relaunch then protects versions
+    of its own under its new EC groups, and the old job's memory is freed. (No dropout:
+    DeepSpeed saves no RNG state, and the old ranks' RNG does not carry over to another world.)"""
+    # DeepSpeed's own Adam is JIT-built under a lock: in a directory of this test's own.
+    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"), "FTMEM_JOB_ID": ""}
+    outs = {}
+    for name, stock in (("reference", True), ("ftmem", False)):
+        job = DSJob(config, before, shm_dir, str(tmp_path / name), ftmem=ftmem, stock=stock, env=env)
+        job.args += ["--dropout", "0"]
+        with job.start("--stop-after", str(STOP)) as run:
+            run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(before)), TIMEOUT, f"step {STOP}")
+            run.kill_all()
+        if not stock:
+            [old] = jobs.list_jobs(shm_dir)  # the id the first world derived
+            if lost is not None:
+                jobs.lose_node(shm_dir, old, lost)
+        job.world = after
+        assert job.run("--load", *load) == [0] * after, job.log(0)[-5000:]
+        for rank in range(after):
+            assert f"rank {rank}: resuming at step {STOP + 1}" in job.log(rank), job.log(rank)[-3000:]
+            if not stock:
+                rebuilt = "" if lost is None else f", its rank(s) [{lost}] rebuilt from parity"
+                assert logged(restored_from_memory(
+                    STOP + 1, rank, f"tag global_step{STOP + 1}, saved by job {old} on {before} ranks ({before} nodes "
+                                    f"of 1){rebuilt}"), job.log(rank)), job.log(rank)[-3000:]
+        outs[name] = job.out
+    assert_same_training(outs["ftmem"], outs["reference"], after, ITERS, joined=before, at=STOP + 1)
+    status = json.loads(run_cli("status", "--json", "--shm-dir", shm_dir).stdout)
+    [new] = status["jobs"]  # the old job's memory is freed
+    assert new["job"] != old and [n["node"] for n in new["nodes"]] == list(range(after))
+    # A module-only load leaves DeepSpeed's global step at 0: the relaunch's saves count from there.
+    newest = ITERS - (STOP + 1) if "--module-only" in load else ITERS
+    assert all(n["versions"][-1] == newest and n["protected"] == newest for n in new["nodes"]), new
+    assert f"freed job {old}'s memory on nodes" in job.log(0)
+
+
 @pytest.mark.parametrize("ftmem, message", [
     ({"ranks_per_nod": 1}, "unknown key 'ranks_per_nod' in the \"ftmem\" config. Did you mean 'ranks_per_node'?"),
     ({"ec": {"k": 3, "m": 1}}, "needs groups of 4 nodes, but the job has 3 node(s)"),
@@ -573,17 +624,20 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, shm
     assert weights.keys() == final.keys() and all(torch.equal(weights[k], final[k]) for k in final)
 
 
-@pytest.mark.parametrize("restart", ["two nodes lost", "memory cleaned", "half the ranks", "half the ranks, id derived"])
+@pytest.mark.parametrize("restart", ["two nodes lost", "memory cleaned", "half the ranks",
+                                     "half the ranks at ZeRO-3, id derived"])
 def test_a_checkpoint_memory_cannot_give_back_is_refused_not_replaced_by_a_fresh_start(restart, shm_dir, tmp_path):
     """`latest` names an ftmem checkpoint, no disk holds one, and memory cannot give it
     back: more than m=1 nodes are lost, `ftmem clean` freed the job, or the job comes
-    back on 2 of its 4 ranks (the elastic case: under one FTMEM_JOB_ID, or with the job id
-    derived from the save dir and the world, where the relaunch is another job). DeepSpeed's
-    default engine would have loaded the checkpoint: ftmem refuses with the reason and frees
-    nothing."""
+    back on 2 of its 4 ranks under one FTMEM_JOB_ID (its memory is laid out for the old
+    world), or at ZeRO-3 with the job id derived from the save dir and the world (the
+    relaunch is another job, and ftmem adopts another world's version only at ZeRO 0-2).
+    DeepSpeed's default engine would have loaded the checkpoint: ftmem refuses with the
+    reason and frees nothing."""
     elastic = restart.startswith("half the ranks")
     world, ftmem = (4, {"ec": {"k": 1, "m": 1}}) if elastic else (3, None)
-    job = DSJob("zero1.json", world, shm_dir, str(tmp_path / "run"), ftmem=ftmem,
+    job = DSJob("zero3.json" if "ZeRO-3" in restart else "zero1.json", world, shm_dir, str(tmp_path / "run"),
+                ftmem=ftmem,
                 env={"FTMEM_JOB_ID": ""} if restart.endswith("derived") else None)
     with job.start("--stop-after", str(STOP)) as run:
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
@@ -608,6 +662,8 @@ def test_a_checkpoint_memory_cannot_give_back_is_refused_not_replaced_by_a_fresh
         refusal = [", on 2 ranks (2 nodes of 1)) holds no version in memory, but other jobs saved from its origin",
                    f"hold some (job {saved} on 4 ranks (4 nodes of 1): versions [{STOP}, {STOP + 1}]). A relaunch at "
                    f"another world size or ranks per node derives another job id",
+                   "ftmem cannot resume from them: it resumes DeepSpeed from another world's memory only at ZeRO "
+                   "stages 0 to 2 (ZeRO-3 partitions the module as well; saved at stage 3, now 3)",
                    f"free them first: ftmem clean --job {saved} --shm-dir {shm_dir}."]
     held = {n["node"]: n["versions"] for j in jobs.status(shm_dir, job.job)["jobs"] for n in j["nodes"]}
     codes = job.run("--load")

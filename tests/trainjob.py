@@ -77,11 +77,13 @@ class TrainJob:
         assert left == [], left  # a clean finish frees the job's memory
 
 
-def assert_same_training(out, reference, world, iters=ITERS):
-    """Per-step losses and final weights of every rank bitwise equal to the reference run."""
+def assert_same_training(out, reference, world, iters=ITERS, joined=None, at=0):
+    """Per-step losses and final weights of every rank bitwise equal to the reference run
+    (ranks from ``joined`` on, which a grown world added, from step ``at`` on)."""
     for rank in range(world):
         got, want = read_losses(out, rank), read_losses(reference, rank)
-        assert [got[i] for i in range(iters)] == [want[i] for i in range(iters)]
+        steps = range(at if joined is not None and rank >= joined else 0, iters)
+        assert [got[i] for i in steps] == [want[i] for i in steps]
         mine = torch.load(os.path.join(out, f"rank{rank}.final.pt"))
         theirs = torch.load(os.path.join(reference, f"rank{rank}.final.pt"))
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)

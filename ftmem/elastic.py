@@ -1,0 +1,268 @@
+"""Adopting a version that another job saved on another world: the elastic restart.
+
+A relaunch on fewer (or more) nodes, after a node loss with no spare at hand, is
+another job: its id derives from the save dir and the world (:mod:`ftmem.identity`).
+The job it replaces left its versions in the shared memory of the machines it ran on.
+Where the framework's loader reads a checkpoint saved at another DP size (DeepSpeed's
+ZeRO loader reads every old rank's files), the new job resumes from that memory:
+
+1. every new rank lists the node directories that other jobs of its origin left in its
+   machine's shared memory; each old node is read by the lowest new rank that sees it;
+2. the old job's world and EC groups come from its records (the commit records' DP
+   groups, the parity records' k, m and nodes), and the version is chosen as a restore
+   chooses one (:func:`ftmem.protect.plan_recovery`, under the old topology): the newest
+   that every old rank holds or can rebuild from its old column's parity;
+3. each reader checks its old ranks' bytes against their checksums (a damaged copy
+   counts as lost, and the version is chosen again) and broadcasts them, with the
+   parity of columns that lost a member, to every new rank over the job's gloo group;
+4. every new rank decodes the lost old ranks' data (checked against the checksum its
+   writer took), joins each old DP group's replicated slices, and so holds every old
+   rank's state: what DeepSpeed's elastic loader reads from files on every rank anyway.
+   It costs each new rank the old job's whole state in memory, for the load.
+
+The old job's memory is the only copy of the version until the new job protects one of
+its own; only then is it freed (:meth:`Adopted.free`), each reader its own old nodes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import integrity
+from .checksum import data_checksum
+from .codec import Codec
+from .copier import joined_stream, read_from_slot
+from .errors import CorruptShard, LayoutMismatch, NotRecoverableFromMemory
+from .identity import RankIdentity, job_root, world_in_words
+from .jobs import free_node, node_ranks
+from .logs import job_info
+from .ownership import other_jobs_of_origin
+from .parallel import ParallelLayout
+from .placement import ECGroup
+from .protect import Geometry, Topology, decode_member, member_piece, plan_recovery
+from .restore import gather_objects
+from .serialize import join_state
+from .slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore, decode_record, encode_record
+
+
+@dataclass
+class Adopted:
+    """Another job's version, as every new rank holds it after :func:`adopt`."""
+
+    job: str  # the job that saved it
+    version: int
+    world: str  # that job's world, in words
+    layout: ParallelLayout  # its parallel layout
+    states: list  # every old rank's state, by old rank
+    rebuilt: list[int]  # the old ranks whose data was rebuilt from parity
+    read_here: list[str]  # the old node directories this rank read, and frees
+
+    def __str__(self) -> str:
+        rebuilt = f", its rank(s) {self.rebuilt} rebuilt from parity" if self.rebuilt else ""
+        return f"saved by job {self.job} on {self.world}{rebuilt}"
+
+    def free(self, shm_dir: str) -> None:
+        """Free the old nodes this rank read (their SMPs stopped, their memory deleted): only
+        once the new job holds a protected version of its own."""
+        for path in self.read_here:
+            free_node(path)
+        try:
+            os.rmdir(job_root(shm_dir, self.job))  # the last reader to free its nodes removes the job
+        except OSError:
+            pass
+        if self.read_here:
+            job_info("freed job %s's memory on nodes %s: this job adopted its version %d and now holds a protected "
+                     "version of its own", self.job, [os.path.basename(p) for p in self.read_here], self.version)
+
+
+def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_name: str,
+          refuse: Callable[[ParallelLayout], Optional[str]]) -> Adopted:
+    """The newest version that the other job of this job's origin can give back, on every
+    rank (collective over ``group``, the job's gloo group). ``refuse(old layout)`` says why
+    this framework cannot load a version saved under that layout (None if it can): then
+    LayoutMismatch, as for a version it saved itself with another layout, before any byte
+    moves. NotRecoverableFromMemory where too much of the old job is lost or damaged."""
+    rank = dist.get_rank() if group is not None else 0
+    here = other_jobs_of_origin(identity)
+    seen = gather_objects({job: {node: len(node_ranks(path)) for node, path in dirs.items()}
+                           for job, dirs in here.items()}, group)
+    jobs = sorted(set().union(*seen))
+    if len(jobs) != 1:
+        raise LayoutMismatch(f"the memory of several jobs is held ({', '.join(jobs)}), and ftmem cannot tell which "
+                             f"one this job continues (free the others first)")
+    old = jobs[0]
+    readers: dict[int, int] = {}  # old node -> the new rank that reads it
+    for new_rank, held in enumerate(seen):
+        for node in held.get(old, {}):
+            readers.setdefault(node, new_rank)
+    read_here = {node: path for node, path in here.get(old, {}).items() if readers[node] == rank}
+    stores = {r: RankStore(path, r) for path in read_here.values() for r in node_ranks(path)}
+    commits, parities = _records_of(stores, identity.origin, group)
+    sample = next((record for held in commits.values() for record in held.values()), None)
+    if sample is None:
+        raise NotRecoverableFromMemory(f"job {old}'s memory holds no readable version.")
+    if sample.format != format_name:
+        raise LayoutMismatch(f"job {old}'s versions were saved by the {sample.format} adapter, and this job runs "
+                             f"{format_name}")
+    layout = sample.layout
+    world = sum(len(g) for g in layout.dp_groups)
+    per_node = max(n for held in seen for n in held.get(old, {}).values())
+    refusal = refuse(layout)
+    if refusal:
+        raise LayoutMismatch(refusal)
+    topology = Topology(world, per_node, _old_groups(world // per_node, parities))
+    chosen, lost, read = _choose(topology, stores, commits, parities, group, old)
+    columns = {(topology.group_index(r), r % per_node) for r in lost}
+    data = _broadcast(sorted(r for r in range(world) if chosen in commits.get(r, {})), DATA, read, readers, per_node,
+                      group, lambda r: commits[r][chosen].plan.nbytes)
+    holders = sorted(r for r in range(world) if chosen in parities.get(r, {}) and r not in lost
+                     and (topology.group_index(r), r % per_node) in columns)
+    parity = _broadcast(holders, PARITY, read, readers, per_node, group,
+                        lambda r: parities[r][chosen].piece_size * len(parities[r][chosen].checksums))
+    del read
+    records = {r: commits[r][chosen] for r in data}
+    for r in lost:
+        records[r], data[r] = _rebuild(topology, r, chosen, data, parity, parities, old)
+    streams: dict[tuple, torch.Tensor] = {}
+
+    def stream_of(r: int) -> torch.Tensor:  # the replicated stream of r's old DP group, joined once
+        replicas = tuple(sorted(records[r].layout.dp_group_of(r), key=lambda q: records[q].plan.shard.index))
+        if replicas not in streams:
+            streams[replicas] = joined_stream([(data[q], records[q].plan) for q in replicas])
+        return streams[replicas]
+
+    states = [join_state(records[r].skeleton, read_from_slot(data[r], records[r].plan, torch.device("cpu"),
+                                                             lambda r=r: stream_of(r))) for r in range(world)]
+    return Adopted(job=old, version=chosen, world=world_in_words(world, per_node), layout=layout, states=states,
+                   rebuilt=sorted(lost), read_here=sorted(read_here.values()))
+
+
+def _records_of(stores: dict[int, RankStore], origin: str,
+                group: Optional[dist.ProcessGroup]) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Every old rank's intact commit and parity records of the origin's versions, by old
+    rank and version, as every new rank sees them (gathered as their plain encoding)."""
+    def readable(read, versions) -> dict[int, bytes]:
+        found = {}
+        for v in versions:
+            try:
+                found[v] = encode_record(read(v))
+            except (CorruptShard, OSError):
+                continue  # a damaged marker: that copy is lost, as for a restore
+        return found
+
+    mine = {r: (readable(s.read_commit, s.committed()), readable(s.read_parity, s.parity_held()))
+            for r, s in stores.items()}
+    commits: dict[int, dict] = {}
+    parities: dict[int, dict] = {}
+    for held in gather_objects(mine, group):
+        for r, (data, parity) in held.items():
+            commits[r] = {v: c for v, c in ((v, decode_record(CommitRecord, b)) for v, b in data.items())
+                          if c.origin == origin}
+            parities[r] = {v: decode_record(ParityRecord, b) for v, b in parity.items()}
+    return commits, parities
+
+
+def _old_groups(nodes: int, parities: dict[int, dict]) -> tuple[ECGroup, ...]:
+    """The old job's EC groups, as its parity records name them; a node that no parity
+    record names was a group of its own (no EC), whose loss nothing rebuilds."""
+    groups = {(p.nodes, p.m) for held in parities.values() for p in held.values()}
+    named = {node for node_group, _ in groups for node in node_group}
+    groups |= {((node,), 0) for node in range(nodes) if node not in named}
+    return tuple(sorted((ECGroup(nodes=tuple(n), m=m) for n, m in groups), key=lambda g: g.nodes))
+
+
+def _choose(topology: Topology, stores: dict[int, RankStore], commits: dict, parities: dict,
+            group: Optional[dist.ProcessGroup], old: str) -> tuple[int, list[int], dict]:
+    """The version to adopt, the old ranks to rebuild, and the bytes of it this rank reads
+    ({(old rank, DATA or PARITY): bytes}), read into private memory and checked first
+    (before any rank waits in a broadcast for them): a damaged or unreadable copy counts
+    as lost, on every rank alike, and the version is chosen again."""
+    per_node = topology.ranks_per_node
+    while True:
+        ranks = range(topology.world_size)
+        decision = plan_recovery(topology, [{v: c.plan.nbytes for v, c in commits.get(r, {}).items()} for r in ranks],
+                                 [{v: Geometry.of(p) for v, p in parities.get(r, {}).items()} for r in ranks])
+        if decision is None:
+            raise NotRecoverableFromMemory(f"job {old}'s memory holds no intact version.")
+        chosen, lost = decision
+        columns = {(topology.group_index(r), r % per_node) for r in lost}
+        read, damaged = {}, []
+        for r, store in stores.items():
+            wanted = [(DATA, commits.get(r, {}).get(chosen))]
+            if (topology.group_index(r), r % per_node) in columns:
+                wanted.append((PARITY, parities.get(r, {}).get(chosen)))
+            for kind, record in wanted:
+                try:
+                    if record is not None:
+                        read[(r, kind)] = _read_checked(store, record, kind)
+                except CorruptShard as e:
+                    damaged.append((r, kind, str(e)))
+        damaged = [d for found in gather_objects(damaged, group) for d in found]
+        if not damaged:
+            return chosen, sorted(lost), read
+        for r, kind, why in damaged:
+            job_info("job %s: %s Treating it as lost.", old, why)
+            parities[r].pop(chosen, None)  # damaged data takes its rank's parity with it, as in a restore
+            if kind == DATA:
+                commits[r].pop(chosen, None)
+
+
+def _read_checked(store: RankStore, record, kind: str) -> torch.Tensor:
+    """A slot's bytes of ``record``'s version, in private memory, checked against the
+    checksums their writer took (CorruptShard if they do not match, or cannot be read)."""
+    nbytes = record.plan.nbytes if kind == DATA else record.piece_size * len(record.checksums)
+    try:
+        with store.map_slot(record.slot, writable=False, kind=kind) as mm:
+            raw = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8, count=min(nbytes, len(mm))).copy())
+    except (OSError, ValueError) as e:  # missing, or empty (mmap refuses a zero-length file)
+        raise CorruptShard(f"rank {store.rank} version {record.version}: {store.slot_path(record.slot, kind)} "
+                           f"cannot be read ({e}).") from e
+    check = integrity.check_data if kind == DATA else integrity.check_parity
+    check(store, record, lambda slot, kind: raw)
+    return raw
+
+
+def _broadcast(ranks: list[int], kind: str, read: dict, readers: dict[int, int], per_node: int,
+               group: Optional[dist.ProcessGroup], nbytes: Callable[[int], int]) -> dict[int, torch.Tensor]:
+    """Each of ``ranks``' bytes of ``kind``, from the new rank that read them, on every new rank."""
+    out = {}
+    for r in ranks:
+        buffer = read.get((r, kind))
+        if buffer is None:
+            buffer = torch.empty(nbytes(r), dtype=torch.uint8)
+        if group is not None and len(buffer):
+            dist.broadcast(buffer, src=readers[r // per_node], group=group)
+        out[r] = buffer
+    return out
+
+
+def _rebuild(topology: Topology, r: int, version: int, data: dict[int, torch.Tensor], parity: dict[int, torch.Tensor],
+             parities: dict, old: str) -> tuple[CommitRecord, torch.Tensor]:
+    """Old rank ``r``'s record and data, decoded from its old column's data and parity
+    (every piece at hand) and checked against the checksum its writer took."""
+    gi = topology.group_index(r)
+    ec, column = topology.groups[gi], topology.column_ranks(gi, r % topology.ranks_per_node)
+    has_data = {pos for pos, q in enumerate(column) if q in data}
+    has_parity = {pos for pos, q in enumerate(column) if q in parity}
+    held = parities[next(q for q in column if q in parity)][version]
+    piece = held.piece_size
+
+    def piece_of(stripe: int, code: int) -> np.ndarray:
+        src = (ec.data_members(stripe) + ec.parity_members(stripe))[code]
+        q = column[src]
+        return member_piece(ec, src, stripe, code, piece, data[q].numpy() if q in data else None, held.lengths[src],
+                            parity[q].numpy() if q in parity else None, np.empty(piece, dtype=np.uint8))
+
+    pos = column.index(r)
+    raw = decode_member(Codec(ec.k, ec.m), ec, pos, held, has_data, has_parity, piece_of)
+    record = held.records[pos]
+    if record.version != version or data_checksum(raw) != record.checksum:
+        raise NotRecoverableFromMemory(f"job {old}'s rank {r} (lost with its node) could not be rebuilt from its EC "
+                                       f"group's parity: the rebuilt data does not match the checksum its writer "
+                                       f"took. Fall back to a disk checkpoint.")
+    return record, torch.from_numpy(raw)
