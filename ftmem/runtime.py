@@ -201,7 +201,7 @@ class AdapterRuntime:
         """The adapter loaded ``adopted`` into the framework (its RNG states, the old world's
         ranks', stay unused): say so. Its memory is freed once this job protects a version."""
         self._adopted, self.last_restore = adopted, None
-        announce(restored_from_memory(adopted.version, self.rank, f"{detail}, {adopted}"))
+        announce(restored_from_memory(adopted.version, self.rank, ", ".join(filter(None, (detail, str(adopted))))))
 
     def _free_adopted_once_protected(self) -> None:
         if self._adopted is not None and self.engine.protected is not None:

@@ -3,7 +3,7 @@ rank saves a replicated tensor per step, protected, and ends the way ``--end`` s
 
     python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close} [--persist DIR]
         [--persist-interval N] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
-        [--restore-into {rank-0,every-rank}] [--load-while-saving]
+        [--restore-into {rank-0,every-rank}] [--load-while-saving] [--other-worlds]
 
 ``--end close`` closes the runtime itself, keeping the memory, before it returns. With
 ``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
@@ -16,6 +16,8 @@ tensor into (``AdapterRuntime.restore(into=...)``), on rank 0 only or on every r
 its protection still in flight (DeepSpeed's rollback mid-run does so); rank 1 first lets
 its save thread reach the job-wide agreement, so that the ranks start the load's
 collectives in different orders against their save threads' unless ftmem waits.
+``--other-worlds`` lets the restore adopt a version that a job on another world saved
+(as DeepSpeed's adapter does), and refuses a fresh start where memory could not serve.
 """
 import argparse
 import atexit
@@ -70,6 +72,7 @@ def main() -> None:
     p.add_argument("--runtimes", type=int, default=1)
     p.add_argument("--restore-into", choices=("rank-0", "every-rank"), default=None)
     p.add_argument("--load-while-saving", action="store_true")
+    p.add_argument("--other-worlds", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -98,9 +101,17 @@ def train(args, world: int) -> None:
     own = torch.zeros(1000) if args.restore_into == "every-rank" or (args.restore_into and dist.get_rank() == 0) else None
     resumption = (Resumption(MEMORY, restored=runtime.restore_named(args.load_version))
                   if args.load_version is not None else
-                  runtime.restore(disk_version=on_disk, into=(lambda saved: {"w": own}) if own is not None else None))
+                  runtime.restore(disk_version=on_disk, into=(lambda saved: {"w": own}) if own is not None else None,
+                                  other_worlds=(lambda layout: None) if args.other_worlds else None))
     start = 1
-    if resumption.source == MEMORY:
+    if resumption.adopted is not None:
+        adopted = resumption.adopted
+        runtime.resumed_by_adoption(adopted)
+        start = adopted.version + 1
+        values = sorted({v for state in adopted.states for v in state["w"].tolist()})
+        print(f"rank {dist.get_rank()}: adopted version {adopted.version} of {len(adopted.states)} old ranks: "
+              f"w = {values}", flush=True)
+    elif resumption.source == MEMORY:
         runtime.resumed_from_memory(resumption.restored)
         start = resumption.restored.version + 1
         w = resumption.restored.state["w"]
@@ -108,6 +119,8 @@ def train(args, world: int) -> None:
               f"{'its own tensor' if w is own else 'new memory'}", flush=True)
     elif resumption.source == DISK:  # the state of a step is the step: nothing to read
         start = on_disk + 1
+    elif args.other_worlds:  # as an adapter does: no fresh start in place of what memory held
+        runtime.resumed_from_scratch(resumption.reason)
     print(f"rank {dist.get_rank()}: resumes at step {start} ({resumption.source})", flush=True)
     for step in range(start, args.steps + 1):
         w = torch.full((1000,), float(step))  # the same on every rank: each snapshots half (DP sharding)

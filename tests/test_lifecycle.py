@@ -12,11 +12,12 @@ import signal
 
 import pytest
 
-from conftest import job_id, logged
+from conftest import flip_byte, job_id, logged
 from examples.launch import LocalJob, wait_until
 from ftmem import jobs, restored_from_memory
 from ftmem.identity import job_root
 from ftmem.persist import MANIFEST
+from ftmem.slots import RankStore
 from ftmem.smp_client import running_smp, stop_smp
 
 TIMEOUT = 120
@@ -322,6 +323,59 @@ def test_a_relaunch_under_a_derived_id_of_another_layout_names_the_versions_the_
         assert f"free them first: ftmem clean --job {first} --shm-dir {shm_dir}." in log
         assert "resumes at step" not in log
     assert held(shm_dir, first) == {0: [2, 3], 1: [2, 3]}  # the relaunch's own job holds nothing
+
+
+def test_a_relaunch_on_fewer_nodes_adopts_the_newest_version_the_old_world_can_give_back_never_a_damaged_copy(
+        shm_dir, tmp_path):
+    """3 ranks on 3 nodes (one EC group, m=1) save steps 1-3 and fail (memory kept). Node 0
+    is lost, and a byte of rank 2's data of version 3 flipped: version 3 then misses two
+    members of its group, so the relaunch on 2 ranks (another world: another job) adopts
+    version 2, rank 0 rebuilt from parity, and says why not 3. It trains on, and once it
+    holds a protected version of its own, the old job's memory is freed."""
+    derived = {"SHM_DIR": shm_dir, "FTMEM_JOB_ID": ""}
+    first = LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "3", "--end", "exit1"], 3, None,
+                     str(tmp_path / "first"), env=derived)
+    assert first.wait(TIMEOUT) == [1, 1, 1], first.log(0)
+    [old] = jobs.list_jobs(shm_dir)
+    assert held(shm_dir, old) == {0: [2, 3], 1: [2, 3], 2: [2, 3]}
+    jobs.lose_node(shm_dir, old, 0)
+    store = RankStore(os.path.join(job_root(shm_dir, old), "node2"), 2)
+    flip_byte(store.slot_path(store.committed()[3]), 100)
+    back = LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "4", "--other-worlds"], 2, None,
+                    str(tmp_path / "back"), env=derived)
+    assert back.wait(TIMEOUT) == [0, 0], back.log(0)[-3000:]
+    for rank in range(2):
+        log = back.log(rank)
+        assert logged(restored_from_memory(2, rank, f"saved by job {old} on 3 ranks (3 nodes of 1), its rank(s) [0] "
+                                                    f"rebuilt from parity"), log), log[-3000:]
+        assert f"rank {rank}: adopted version 2 of 3 old ranks: w = [2.0]" in log
+        assert f"rank {rank}: resumes at step 3 (memory)" in log
+    assert "rank 2 version 3: data in" in back.log(0) and "does not match its checksum. Treating it as lost." in back.log(0)
+    [new] = jobs.list_jobs(shm_dir)  # the old job's memory is freed
+    assert new != old and held(shm_dir, new) == {0: [3, 4], 1: [3, 4]}
+
+
+def test_a_relaunch_that_cannot_rebuild_the_old_world_is_refused_and_frees_nothing(shm_dir, tmp_path):
+    """As above, with two of the old group's three nodes lost: no version can be rebuilt.
+    The relaunch stops on every rank with the reason, never a fresh start, and the old
+    job's memory stays as it was."""
+    derived = {"SHM_DIR": shm_dir, "FTMEM_JOB_ID": ""}
+    first = LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "3", "--end", "exit1"], 3, None,
+                     str(tmp_path / "first"), env=derived)
+    assert first.wait(TIMEOUT) == [1, 1, 1], first.log(0)
+    [old] = jobs.list_jobs(shm_dir)
+    jobs.lose_node(shm_dir, old, 0)
+    jobs.lose_node(shm_dir, old, 1)
+    back = LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "4", "--other-worlds"], 2, None,
+                    str(tmp_path / "back"), env=derived)
+    assert back.wait(TIMEOUT) == [1, 1], back.log(0)[-3000:]
+    for rank in range(2):
+        log = back.log(rank)
+        assert "memory could not serve (" in log, log[-3000:]
+        assert "EC group of nodes [0, 1, 2] (k=2, m=1) lacks node(s) [0, 1]" in log
+        assert "ftmem does not start from scratch in place of what this job saved" in log
+        assert "resumes at step" not in log
+    assert held(shm_dir, old) == {2: [2, 3]}
 
 
 def test_several_runtimes_of_a_process_end_in_the_order_they_were_made_on_every_rank(shm_dir, tmp_path):
