@@ -29,7 +29,8 @@ __all__ = [
     "SnapshotEngine", "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes",
     "rng_states", "set_rng_states",
     # the adapter seam and runtime
-    "FrameworkFormat", "AdapterRuntime", "Resumption", "Adopted", "MEMORY", "DISK", "SCRATCH", "check_startup", "RestoreTargets",
+    "FrameworkFormat", "AdapterRuntime", "Resumption", "Adopted", "MEMORY", "DISK", "SCRATCH", "check_startup",
+    "RestoreTargets",
     "TensorPlace", "collection_deferred",
     "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins", "world_in_words",
     # logging and the contract lines

@@ -197,9 +197,12 @@ class AdapterRuntime:
         self.last_restore = restored.times
         announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
 
-    def resumed_by_adoption(self, adopted: Adopted, detail: str = "") -> None:
-        """The adapter loaded ``adopted`` into the framework (its RNG states, the old world's
-        ranks', stay unused): say so. Its memory is freed once this job protects a version."""
+    def resumed_by_adoption(self, adopted: Adopted, detail: str = "", rng: Any = None) -> None:
+        """The adapter loaded ``adopted`` into the framework: put back ``rng`` (the RNG states
+        of the old rank the adapter took this rank's state from, if any) and say so. The old
+        job's memory is freed once this job protects a version of its own."""
+        if rng is not None:
+            self.format.restore_rng(rng)
         self._adopted, self.last_restore = adopted, None
         announce(restored_from_memory(adopted.version, self.rank, ", ".join(filter(None, (detail, str(adopted))))))
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
-from ftmem import (DISK, MEMORY, AdapterRuntime, ConfigError, LayoutMismatch, NotRecoverableFromMemory, ParallelLayout,
-                   RestoreTargets, RestoreTimes, Resumption, SaveHandle, collection_deferred, gather_dp_groups,
-                   rank_info)
+from ftmem import (DISK, MEMORY, Adopted, AdapterRuntime, ConfigError, LayoutMismatch, NotRecoverableFromMemory,
+                   ParallelLayout, Restored, RestoreTargets, RestoreTimes, Resumption, SaveHandle, collection_deferred,
+                   gather_dp_groups, rank_info)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
@@ -209,7 +209,7 @@ class MegatronCheckpointer:
         self._memory_failed = resumption.reason
         if resumption.source != MEMORY:
             return None
-        restored = resumption.restored
+        restored = resumption.restored or self._taken_from(resumption.adopted)
         state = restored.state
         try:
             problem = _args_mismatch(state["args"], args, scope)
@@ -238,15 +238,46 @@ class MegatronCheckpointer:
         if scope.progress:
             for name, value in state["progress"].items():
                 setattr(args, name, value)
-        self.runtime.resumed_from_memory(restored, rng=scope.rng, detail=scope.detail)
+        if resumption.adopted is not None:
+            self.runtime.resumed_by_adoption(resumption.adopted, scope.detail, state["rng"] if scope.rng else None)
+        else:
+            self.runtime.resumed_from_memory(restored, rng=scope.rng, detail=scope.detail)
         return (state["iteration"] if scope.progress else 0), state["num_floating_point_operations_so_far"]
+
+    def _cannot_load(self, saved: ParallelLayout) -> Optional[str]:
+        """Why this job cannot load a version that another world saved under ``saved`` (None
+        if it can). Each rank takes the state of the first DP replica of its place (the same
+        TP, PP, CP and EP ranks), as Megatron-LM's torch-format load takes that replica's file:
+        that holds all the rank needs only where the DP size alone changed and nothing is
+        split across the DP replicas."""
+        now = self.runtime.engine.layout
+        changed = [f"{name} {getattr(saved, name)} -> {getattr(now, name)}"
+                   for name in ("tp_size", "pp_size", "cp_size", "ep_size")
+                   if getattr(saved, name) != getattr(now, name)]
+        if changed:
+            return (f"it resumes Megatron from another world's memory only where the DP size alone changed "
+                    f"({'; '.join(changed)})")
+        if saved.zero_stage or now.zero_stage:
+            return ("it resumes Megatron from another world's memory only without the distributed optimizer, whose "
+                    "state is split across the DP replicas (resharding it from memory is not built)")
+        return None
+
+    def _taken_from(self, adopted: Adopted) -> Restored:
+        """This rank's part of another world's version: the state of the first DP replica of
+        its place. Both worlds order their DP groups alike (by their lowest rank: by PP, then
+        TP rank), and only the DP size changed (:meth:`_cannot_load`)."""
+        now = sorted(tuple(sorted(g)) for g in self.runtime.engine.layout.dp_groups)
+        then = sorted(tuple(sorted(g)) for g in adopted.layout.dp_groups)
+        place = now.index(tuple(sorted(self.runtime.dp_ranks)))
+        return Restored(version=adopted.version, state=adopted.states[then[place][0]])
 
     def _resumption(self, args, on_disk: int, into: RestoreTargets) -> Resumption:
         """Memory's newest version (restored into the tensors ``into`` names); with
         ``--ckpt-step N``, version N or the disk's iteration N."""
         step = getattr(args, "ckpt_step", None)
         if step is None:
-            return self.runtime.restore(disk_version=on_disk if on_disk >= 0 else None, into=into)
+            return self.runtime.restore(disk_version=on_disk if on_disk >= 0 else None, into=into,
+                                        other_worlds=self._cannot_load)
         try:
             return Resumption(MEMORY, restored=self.runtime.restore_named(step))
         except LayoutMismatch as e:  # held, but for another layout or EC geometry

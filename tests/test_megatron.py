@@ -111,6 +111,72 @@ def test_resume_after_losing_a_node_is_bitwise(world, parallel, ftmem, lost_node
     assert jobs.list_jobs(shm_dir) == []
 
 
+def stopped_after(job: "MegatronJob", world: int) -> None:
+    """Run ``job`` on ``world`` ranks until every rank stopped after iteration STOP, then SIGKILL them all."""
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"iteration {STOP}")
+        run.kill_all()
+
+
+@pytest.mark.parametrize("lost_node", [0, None], ids=["a node lost", "shrunk"])
+def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatron_loads_its_files(
+        lost_node, shm_dir, tmp_path):
+    """TP 2 x DP 2 on 4 virtual nodes (k=3, m=1) stops after iteration 3 and is killed;
+    ftmem's job may also lose node 0 (TP rank 0 of DP replica 0: the rank whose state the
+    new TP rank 0 takes). Both come back as TP 2 x DP 1 on 2 ranks, their job ids derived
+    from the new world: ftmem's relaunch adopts the old world's version from memory, where
+    the reference (no ftmem) loads Megatron's torch-format files of iteration 3 (each rank
+    its TP rank's file, which DP replica 0 wrote). Training then goes on bitwise alike, and
+    the old job's memory is freed once the relaunch protects a version of its own."""
+    outs = {}
+    for name, stock in (("reference", True), ("ftmem", False)):
+        job = MegatronJob(4, ["--tensor-model-parallel-size", "2"],
+                          ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "3", "--ftmem-ec-m", "1"], shm_dir,
+                          str(tmp_path / name), stock=stock)
+        job.job = ""  # derived from the save dir and the world
+        if stock:
+            job.args[job.args.index("--save-interval") + 1] = "1"
+        stopped_after(job, 4)
+        if not stock:
+            [old] = jobs.list_jobs(shm_dir)
+            if lost_node is not None:
+                jobs.lose_node(shm_dir, old, lost_node)
+            job.args[-4:] = ["--ftmem-ec-k", "1", "--ftmem-ec-m", "1"]  # 2 nodes now
+        job.world = 2
+        job.run(str(tmp_path / f"{name}.json"))
+        outs[name] = read_out(str(tmp_path / f"{name}.json"))
+    rebuilt = "" if lost_node is None else f", its rank(s) [{lost_node}] rebuilt from parity"
+    for rank in range(2):
+        assert logged(restored_from_memory(STOP, rank, f"saved by job {old} on 4 ranks (4 nodes of 1){rebuilt}"),
+                      job.log(rank)), job.log(rank)[-3000:]
+    assert outs["ftmem"]["losses"] == outs["reference"]["losses"]
+    assert outs["ftmem"]["digests"] == outs["reference"]["digests"]
+    assert f"freed job {old}'s memory" in job.log(0)
+    assert old not in jobs.list_jobs(shm_dir)
+
+
+def test_a_relaunch_at_another_dp_size_with_the_distributed_optimizer_is_refused_with_the_reason(shm_dir, tmp_path):
+    """DP 4 -> DP 2 with the distributed optimizer, whose state is split across the DP
+    replicas: ftmem does not reshard it from another world's memory, and says so on every
+    rank; the old job's memory stays as it was."""
+    job = MegatronJob(4, ["--use-distributed-optimizer"],
+                      ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "3", "--ftmem-ec-m", "1"], shm_dir,
+                      str(tmp_path / "run"))
+    job.job = ""
+    job.args[job.args.index("--micro-batch-size") + 1] = "1"  # a global batch of 4 over 4 replicas
+    stopped_after(job, 4)
+    [old] = jobs.list_jobs(shm_dir)
+    held = jobs.status(shm_dir, old)
+    job.args[-4:] = ["--ftmem-ec-k", "1", "--ftmem-ec-m", "1"]
+    job.world = 2
+    assert job.start().wait(TIMEOUT) == [1, 1]
+    for rank in range(2):
+        assert ("ftmem cannot resume from them: it resumes Megatron from another world's memory only without the "
+                "distributed optimizer") in job.log(rank), job.log(rank)[-3000:]
+        assert f"free them first: ftmem clean --job {old}" in job.log(rank)
+    assert jobs.status(shm_dir, old) == held
+
+
 def test_restore_under_another_layout_is_refused_unless_disk_fallback_is_allowed(shm_dir, tmp_path):
     """Memory holds TP=2 snapshots; the job comes back as DP=2. It stops with the
     mismatch named, and loads its persistent checkpoint only when allowed to."""
