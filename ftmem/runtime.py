@@ -105,7 +105,7 @@ class AdapterRuntime:
         self._handle = self.engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
                                         persist=persist)
         self._kept_newer = []  # the save dropped every version >= its own
-        self._free_adopted_once_protected()  # the save waited for the previous one's protection
+        self._adopted = _freed_once_protected(self._adopted, self.engine)  # the save waited for the last one
         return self._handle
 
     def wait_reusable(self) -> None:
@@ -198,18 +198,12 @@ class AdapterRuntime:
         announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
 
     def resumed_by_adoption(self, adopted: Adopted, detail: str = "", rng: Any = None) -> None:
-        """The adapter loaded ``adopted`` into the framework: put back ``rng`` (the RNG states
-        of the old rank the adapter took this rank's state from, if any) and say so. The old
-        job's memory is freed once this job protects a version of its own."""
+        """The adapter loaded ``adopted`` into the framework: put back ``rng`` (the RNG of the old
+        rank it took this rank's state from, if any) and say so. See :func:`_freed_once_protected`."""
         if rng is not None:
             self.format.restore_rng(rng)
         self._adopted, self.last_restore = adopted, None
         announce(restored_from_memory(adopted.version, self.rank, ", ".join(filter(None, (detail, str(adopted))))))
-
-    def _free_adopted_once_protected(self) -> None:
-        if self._adopted is not None and self.engine.protected is not None:
-            self._adopted, adopted = None, self._adopted
-            adopted.free(self.engine.identity.shm_dir)
 
     def resumed_from_disk(self, iteration: int, directory: str, reason: Optional[str]) -> None:
         announce(restored_from_disk(iteration, directory, self.rank, reason))
@@ -253,7 +247,7 @@ class AdapterRuntime:
         if problem is None:
             try:
                 self.engine.wait_flushed()
-                self._free_adopted_once_protected()
+                self._adopted = _freed_once_protected(self._adopted, self.engine)
             except Exception as e:
                 problem = str(e)
         # Every rank ended cleanly, or none does anything collective beyond this vote.
@@ -297,6 +291,15 @@ def _wait_before_step(optimizer, wait: Callable[[], None]) -> None:
 
     step._ftmem_waits = True
     optimizer.step = step
+
+
+def _freed_once_protected(adopted: Optional[Adopted], engine: SnapshotEngine) -> Optional[Adopted]:
+    """``adopted`` until this job holds a protected version of its own; then its memory, the
+    only copy of that version until then, is freed, and None."""
+    if adopted is not None and engine.protected is not None:
+        adopted.free(engine.identity.shm_dir)
+        return None
+    return adopted
 
 
 def _adopt(engine: SnapshotEngine, format_name: str, agree: Callable[[Optional[str]], Optional[str]],
