@@ -29,20 +29,25 @@ CHUNK = 256 << 10  # bytes per piece per kernel call: k+m chunks of this stay in
 _u8p = ctypes.POINTER(ctypes.c_ubyte)
 
 
-@lru_cache(maxsize=1)
-def _isal() -> ctypes.CDLL:
-    candidates = []
+def _isal_candidates():
+    """Paths of ISA-L to try: pyeclib's bundled copy, then the system's. Lazily: the
+    system's lookup (``ctypes.util.find_library`` runs ``ldconfig``) took 14 ms of a
+    restarted rank's start here, and is needed only without pyeclib's copy."""
     try:
         import pyeclib
 
         libs = os.path.join(os.path.dirname(os.path.dirname(pyeclib.__file__)), "pyeclib.libs")
-        candidates += sorted(glob.glob(os.path.join(libs, "libisal*.so*")))
+        yield from sorted(glob.glob(os.path.join(libs, "libisal*.so*")))
     except ImportError:
         pass
     system = ctypes.util.find_library("isal")
     if system:
-        candidates.append(system)
-    for path in candidates:
+        yield system
+
+
+@lru_cache(maxsize=1)
+def _isal() -> ctypes.CDLL:
+    for path in _isal_candidates():
         try:
             lib = ctypes.CDLL(path)
         except OSError:
