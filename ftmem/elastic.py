@@ -117,11 +117,11 @@ def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_nam
         raise LayoutMismatch(refusal)
     topology = Topology(world, per_node, _old_groups(world // per_node, parities))
     chosen, lost, read = _choose(topology, stores, commits, parities, group, old)
-    columns = {(topology.group_index(r), r % per_node) for r in lost}
+    columns = {topology.column_of(r) for r in lost}
     data = _broadcast(sorted(r for r in range(world) if chosen in commits.get(r, {})), DATA, read, readers, per_node,
                       group, lambda r: commits[r][chosen].plan.nbytes)
     holders = sorted(r for r in range(world) if chosen in parities.get(r, {}) and r not in lost
-                     and (topology.group_index(r), r % per_node) in columns)
+                     and topology.column_of(r) in columns)
     parity = _broadcast(holders, PARITY, read, readers, per_node, group,
                         lambda r: parities[r][chosen].piece_size * len(parities[r][chosen].checksums))
     del read
@@ -182,7 +182,6 @@ def _choose(topology: Topology, stores: dict[int, RankStore], commits: dict, par
     ({(old rank, DATA or PARITY): bytes}), read into private memory and checked first
     (before any rank waits in a broadcast for them): a damaged or unreadable copy counts
     as lost, on every rank alike, and the version is chosen again."""
-    per_node = topology.ranks_per_node
     while True:
         ranks = range(topology.world_size)
         decision = plan_recovery(topology, [{v: c.plan.nbytes for v, c in commits.get(r, {}).items()} for r in ranks],
@@ -190,11 +189,11 @@ def _choose(topology: Topology, stores: dict[int, RankStore], commits: dict, par
         if decision is None:
             raise NotRecoverableFromMemory(f"job {old}'s memory holds no intact version.")
         chosen, lost = decision
-        columns = {(topology.group_index(r), r % per_node) for r in lost}
+        columns = {topology.column_of(r) for r in lost}
         read, damaged = {}, []
         for r, store in stores.items():
             wanted = [(DATA, commits.get(r, {}).get(chosen))]
-            if (topology.group_index(r), r % per_node) in columns:
+            if topology.column_of(r) in columns:
                 wanted.append((PARITY, parities.get(r, {}).get(chosen)))
             for kind, record in wanted:
                 try:
@@ -245,8 +244,8 @@ def _rebuild(topology: Topology, r: int, version: int, data: dict[int, torch.Ten
              parities: dict, old: str) -> tuple[CommitRecord, torch.Tensor]:
     """Old rank ``r``'s record and data, decoded from its old column's data and parity
     (every piece at hand) and checked against the checksum its writer took."""
-    gi = topology.group_index(r)
-    ec, column = topology.groups[gi], topology.column_ranks(gi, r % topology.ranks_per_node)
+    gi, local = topology.column_of(r)
+    ec, column = topology.groups[gi], topology.column_ranks(gi, local)
     has_data = {pos for pos, q in enumerate(column) if q in data}
     has_parity = {pos for pos, q in enumerate(column) if q in parity}
     held = parities[next(q for q in column if q in parity)][version]

@@ -54,6 +54,10 @@ class Topology:
     def position(self, rank: int) -> int:
         return self.groups[self.group_index(rank)].nodes.index(self.node_of(rank))
 
+    def column_of(self, rank: int) -> tuple[int, int]:
+        """The column ``rank`` codes in: its EC group's index and its local rank on its node."""
+        return self.group_index(rank), rank % self.ranks_per_node
+
     def column_ranks(self, group_index: int, local_rank: int) -> list[int]:
         return [node * self.ranks_per_node + local_rank for node in self.groups[group_index].nodes]
 

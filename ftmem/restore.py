@@ -292,8 +292,7 @@ class Restorer:
         return join_state(record.skeleton, tensors)
 
     def _column_ranks(self) -> list[int]:
-        t = self.topology
-        return t.column_ranks(t.group_index(self.rank), self.rank % t.ranks_per_node)
+        return self.topology.column_ranks(*self.topology.column_of(self.rank))
 
     def _rebuild(self, version: int, held, data: dict, parity: dict) -> Optional[str]:
         """Rebuild the lost members of this rank's column (collective over the column). A
