@@ -7,6 +7,7 @@ per-iteration losses and every rank's final parameters and optimizer state."""
 import json
 import os
 import re
+import shutil
 
 import pytest
 
@@ -209,6 +210,38 @@ def test_restore_under_another_layout_is_refused_unless_disk_fallback_is_allowed
     assert "successfully loaded checkpoint" in back.log(0) and "at iteration 2" in back.log(0)
     assert sorted(read_out(str(tmp_path / "back.json"))["losses"], key=int) == ["3", "4", "5", "6"]
     assert jobs.list_jobs(shm_dir) == []
+
+
+def test_a_load_that_builds_its_template_then_refuses_memory_trains_as_megatron_from_its_disk_checkpoint(
+        shm_dir, tmp_path):
+    """Memory holds iteration 3 of a TP 2 GPT with tied embeddings; the job comes back with
+    untied ones, which no checked arg names: the load builds its template (the optimizer's
+    placeholder moments, allocated, not zero-filled), then finds that the snapshot lacks the
+    output layer. With the disk fallback allowed it loads Megatron's own checkpoint of
+    iteration 2 and trains on exactly as the same model without ftmem does."""
+    parallel = ["--tensor-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
+    ref = reference(2, parallel, str(tmp_path / "reference"), save_interval=2)
+    disk = str(tmp_path / "disk")  # the reference's checkpoint of iteration 2, as if it had stopped there
+    shutil.copytree(os.path.join(str(tmp_path / "reference"), "ckpt", "iter_0000002"),
+                    os.path.join(disk, "iter_0000002"))
+    with open(os.path.join(disk, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
+    mirror = ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m", "1"]
+    tied = MegatronJob(2, parallel[:2], mirror, shm_dir, str(tmp_path / "tied"))
+    with tied.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(2)), TIMEOUT, f"iteration {STOP}")
+        run.kill_all()
+    back = MegatronJob(2, parallel, mirror, shm_dir, str(tmp_path / "tied"))
+    back.job = tied.job
+    back.args[back.args.index("--load") + 1] = disk
+    back.run(str(tmp_path / "back.json"), "--ftmem-allow-disk-fallback")
+    assert ("lacks ['output_layer.weight'], which this job expects" in back.log(0)
+            and "loading from disk as allow_disk_fallback allows" in back.log(0)
+            and "successfully loaded checkpoint" in back.log(0) and "at iteration 2" in back.log(0)), \
+        back.log(0)[-3000:]
+    resumed = read_out(str(tmp_path / "back.json"))
+    assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(3, ITERS + 1)}
+    assert resumed["digests"] == ref["digests"]
 
 
 def test_a_restart_under_another_ec_geometry_is_refused_and_loses_nothing(shm_dir, tmp_path):
