@@ -22,11 +22,13 @@ ZeRO loader reads every old rank's files), the new job resumes from that memory:
 
 The old job's memory is the only copy of the version until the new job protects one of
 its own; only then is it freed (:meth:`Adopted.free`), each reader its own old nodes.
+A relaunch that dies before that leaves two old jobs of the origin in memory; the next
+relaunch adopts the newest version either gives back, and frees the older job with it.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
@@ -41,7 +43,7 @@ from .errors import CorruptShard, LayoutMismatch, NotRecoverableFromMemory
 from .identity import RankIdentity, job_root, world_in_words
 from .jobs import free_node, node_ranks
 from .logs import job_info
-from .ownership import other_jobs_of_origin
+from .ownership import other_jobs_of_origin, readable_records
 from .parallel import ParallelLayout
 from .placement import ECGroup
 from .protect import Geometry, Topology, decode_member, member_piece, plan_recovery
@@ -61,46 +63,96 @@ class Adopted:
     states: list  # every old rank's state, by old rank
     rebuilt: list[int]  # the old ranks whose data was rebuilt from parity
     read_here: list[str]  # the old node directories this rank read, and frees
+    # Other old jobs of the origin that hold nothing newer than ``version``: {job: the node
+    # directories of it that this rank frees with the adopted job's}.
+    superseded: dict[str, list[str]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         rebuilt = f", its rank(s) {self.rebuilt} rebuilt from parity" if self.rebuilt else ""
         return f"saved by job {self.job} on {self.world}{rebuilt}"
 
     def free(self, shm_dir: str) -> None:
-        """Free the old nodes this rank read (their SMPs stopped, their memory deleted): only
-        once the new job holds a protected version of its own."""
-        for path in self.read_here:
-            free_node(path)
-        try:
-            os.rmdir(job_root(shm_dir, self.job))  # the last reader to free its nodes removes the job
-        except OSError:
-            pass
-        if self.read_here:
-            job_info("freed job %s's memory on nodes %s: this job adopted its version %d and now holds a protected "
-                     "version of its own", self.job, [os.path.basename(p) for p in self.read_here], self.version)
+        """Free the old nodes this rank read (their SMPs stopped, their memory deleted), and
+        those of the superseded jobs: only once the new job holds a protected version of its
+        own."""
+        _free_nodes(shm_dir, self.job, self.read_here, f"this job adopted its version {self.version} and now "
+                                                       f"holds a protected version of its own")
+        for job, paths in self.superseded.items():
+            _free_nodes(shm_dir, job, paths, f"it holds nothing newer than version {self.version}, which this job "
+                                             f"adopted from job {self.job} and has now replaced with a protected "
+                                             f"version of its own")
+
+
+def _free_nodes(shm_dir: str, job: str, paths: list[str], why: str) -> None:
+    for path in paths:
+        free_node(path)
+    try:
+        os.rmdir(job_root(shm_dir, job))  # the last reader to free its nodes removes the job
+    except OSError:
+        pass
+    if paths:
+        job_info("freed job %s's memory on nodes %s: %s", job, [os.path.basename(p) for p in paths], why)
 
 
 def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_name: str,
           refuse: Callable[[ParallelLayout], Optional[str]]) -> Adopted:
-    """The newest version that the other job of this job's origin can give back, on every
-    rank (collective over ``group``, the job's gloo group). ``refuse(old layout)`` says why
-    this framework cannot load a version saved under that layout (None if it can): then
-    LayoutMismatch, as for a version it saved itself with another layout, before any byte
-    moves. NotRecoverableFromMemory where too much of the old job is lost or damaged."""
+    """The newest version that the other jobs of this job's origin can give back, on every
+    rank (collective over ``group``, the job's gloo group). There are several where a
+    relaunch that adopted a version died before it had freed the job it adopted from: the
+    one holding the newest version is tried first, then the others, newest first, while
+    what a job holds cannot be rebuilt. ``refuse(old layout)`` says why this framework
+    cannot load a version saved under that layout (None if it can): then LayoutMismatch, as
+    for a version it saved itself with another layout, before any byte moves.
+    NotRecoverableFromMemory where no job can give a version back."""
     rank = dist.get_rank() if group is not None else 0
     here = other_jobs_of_origin(identity)
-    seen = gather_objects({job: {node: len(node_ranks(path)) for node, path in dirs.items()}
-                           for job, dirs in here.items()}, group)
-    jobs = sorted(set().union(*seen))
-    if len(jobs) != 1:
-        raise LayoutMismatch(f"the memory of several jobs is held ({', '.join(jobs)}), and ftmem cannot tell which "
-                             f"one this job continues (free the others first)")
-    old = jobs[0]
-    readers: dict[int, int] = {}  # old node -> the new rank that reads it
+    seen = gather_objects({job: {node: (len(node_ranks(path)), _newest(path, identity.origin))
+                                 for node, path in dirs.items()} for job, dirs in here.items()}, group)
+    newest: dict[str, int] = {}
+    for held in seen:
+        for job, nodes in held.items():
+            newest[job] = max(newest.get(job, -1), *(version for _, version in nodes.values()))
+    problems = []
+    for old in sorted(newest, key=lambda job: (-newest[job], job)):
+        try:
+            adopted = _adopt_from(old, identity, seen, here, rank, group, format_name, refuse)
+        except NotRecoverableFromMemory as e:
+            job_info("not adopting from job %s: %s Trying the job that holds the next newest version, if any.", old, e)
+            problems.append(str(e))
+            continue
+        adopted.superseded = {job: sorted(_read_by(rank, job, seen, here).values()) for job in newest
+                              if job != old and newest[job] <= adopted.version}
+        return adopted
+    raise NotRecoverableFromMemory(" ".join(problems))
+
+
+def _newest(path: str, origin: str) -> int:
+    """The newest version of ``origin`` that a node directory holds a readable record of (-1: none)."""
+    return max((record.version for rank in node_ranks(path) for record in readable_records(RankStore(path, rank))
+                if record.origin == origin), default=-1)
+
+
+def _readers(job: str, seen: list) -> dict[int, int]:
+    """{old node: the new rank that reads it}: the lowest that sees it."""
+    readers: dict[int, int] = {}
     for new_rank, held in enumerate(seen):
-        for node in held.get(old, {}):
+        for node in held.get(job, {}):
             readers.setdefault(node, new_rank)
-    read_here = {node: path for node, path in here.get(old, {}).items() if readers[node] == rank}
+    return readers
+
+
+def _read_by(rank: int, job: str, seen: list, here: dict) -> dict[int, str]:
+    """{old node: its directory} of ``job``'s nodes that ``rank`` reads (and frees)."""
+    readers = _readers(job, seen)
+    return {node: path for node, path in here.get(job, {}).items() if readers[node] == rank}
+
+
+def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: int,
+                group: Optional[dist.ProcessGroup], format_name: str,
+                refuse: Callable[[ParallelLayout], Optional[str]]) -> Adopted:
+    """The newest version job ``old`` can give back (collective; see :func:`adopt`)."""
+    readers = _readers(old, seen)
+    read_here = _read_by(rank, old, seen, here)
     stores = {r: RankStore(path, r) for path in read_here.values() for r in node_ranks(path)}
     commits, parities = _records_of(stores, identity.origin, group)
     sample = next((record for held in commits.values() for record in held.values()), None)
@@ -111,7 +163,7 @@ def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_nam
                              f"{format_name}")
     layout = sample.layout
     world = sum(len(g) for g in layout.dp_groups)
-    per_node = max(n for held in seen for n in held.get(old, {}).values())
+    per_node = max(n for held in seen for n, _ in held.get(old, {}).values())
     refusal = refuse(layout)
     if refusal:
         raise LayoutMismatch(refusal)

@@ -1,11 +1,12 @@
 """A job on the adapter runtime (ftmem.AdapterRuntime) for the lifecycle tests: every
 rank saves a replicated tensor per step, protected, and ends the way ``--end`` says.
 
-    python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close} [--persist DIR]
+    python -m tests.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close,hang} [--persist DIR]
         [--persist-interval N] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
         [--restore-into {rank-0,every-rank}] [--load-while-saving] [--other-worlds]
 
-``--end close`` closes the runtime itself, keeping the memory, before it returns. With
+``--end close`` closes the runtime itself, keeping the memory, before it returns; ``--end
+hang`` waits, its last version protected, for the test to SIGKILL it. With
 ``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
 PyTorch asks scripts to; else an exit hook does it after ftmem's end. ``--runtimes N``
 runs N jobs side by side in each process (as a script with several DeepSpeed engines
@@ -22,6 +23,7 @@ collectives in different orders against their save threads' unless ftmem waits.
 import argparse
 import atexit
 import os
+import signal
 import sys
 import time
 
@@ -62,7 +64,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--end", choices=("return", "exit1", "raise", "close"), default="return")
+    p.add_argument("--end", choices=("return", "exit1", "raise", "close", "hang"), default="return")
     p.add_argument("--persist", default=None)
     p.add_argument("--persist-interval", type=int, default=1)
     p.add_argument("--destroys-group", action="store_true")
@@ -137,6 +139,8 @@ def train(args, world: int) -> None:
         raise RuntimeError("the training script failed")
     if args.end == "close":
         runtime.close(job_finished=False)
+    if args.end == "hang":
+        signal.pause()
 
 
 def load_while_saving(runtime: AdapterRuntime) -> None:

@@ -355,6 +355,57 @@ def test_a_relaunch_on_fewer_nodes_adopts_the_newest_version_the_old_world_can_g
     assert new != old and held(shm_dir, new) == {0: [3, 4], 1: [3, 4]}
 
 
+@pytest.mark.parametrize("second", ["whole", "lost beyond repair"])
+def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_version_either_job_gives_back(
+        second, shm_dir, tmp_path):
+    """Job A (3 ranks on 3 nodes) saves steps 1-3 and fails; its node 0 is lost. The relaunch
+    B on 2 ranks adopts A's version 3, saves and protects step 4, and is SIGKILLed before
+    its next save would have freed A. A third relaunch C, on 4 ranks, finds both jobs of the
+    origin in memory. It adopts B's version 4, the newest; A, holding nothing newer, goes
+    with B once C protects a version of its own. Where B's version 4 cannot be rebuilt (its
+    node 0 lost and a byte of its node 1's copy flipped), C adopts A's version 3 (its rank 0
+    rebuilt from parity), and keeps B, whose version 4 is newer than anything C holds."""
+    derived = {"SHM_DIR": shm_dir, "FTMEM_JOB_ID": ""}
+    first = LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "3", "--end", "exit1"], 3, None,
+                     str(tmp_path / "a"), env=derived)
+    assert first.wait(TIMEOUT) == [1, 1, 1], first.log(0)
+    [a] = jobs.list_jobs(shm_dir)
+    jobs.lose_node(shm_dir, a, 0)
+    with LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "4", "--other-worlds", "--end", "hang"],
+                  2, None, str(tmp_path / "b"), env=derived) as b_run:
+        b_run.wait_for(lambda: all(f"rank {r}: trained to step 4" in b_run.log(r) for r in range(2)), TIMEOUT,
+                       "step 4 of the second relaunch")
+        b_run.kill_all()
+    [b] = [job for job in jobs.list_jobs(shm_dir) if job != a]
+    assert held(shm_dir, a) == {1: [2, 3], 2: [2, 3]} and held(shm_dir, b) == {0: [4], 1: [4]}
+    if second == "lost beyond repair":
+        jobs.lose_node(shm_dir, b, 0)
+        store = RankStore(os.path.join(job_root(shm_dir, b), "node1"), 1)
+        flip_byte(store.slot_path(store.committed()[4]), 100)
+    c_run = LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "6", "--other-worlds"], 4, None,
+                     str(tmp_path / "c"), env=derived)
+    assert c_run.wait(TIMEOUT) == [0] * 4, c_run.log(0)[-3000:]
+    adopted, version, rebuilt = (b, 4, "") if second == "whole" else (a, 3, ", its rank(s) [0] rebuilt from parity")
+    world = "2 ranks (2 nodes of 1)" if second == "whole" else "3 ranks (3 nodes of 1)"
+    for rank in range(4):
+        log = c_run.log(rank)
+        assert logged(restored_from_memory(version, rank, f"saved by job {adopted} on {world}{rebuilt}"), log), \
+            log[-3000:]
+        assert f"rank {rank}: adopted version {version} of" in log and f"w = [{float(version)}]" in log
+        assert f"rank {rank}: resumes at step {version + 1} (memory)" in log
+    [c] = [job for job in jobs.list_jobs(shm_dir) if job not in (a, b)]
+    assert held(shm_dir, c) == {node: [5, 6] for node in range(4)}
+    if second == "whole":
+        assert jobs.list_jobs(shm_dir) == [c]
+        assert (f"freed job {a}'s memory on nodes ['node1', 'node2']: it holds nothing newer than version 4, which "
+                f"this job adopted from job {b}") in c_run.log(0)
+    else:
+        assert sorted(jobs.list_jobs(shm_dir)) == sorted([b, c]) and held(shm_dir, b) == {1: [4]}
+        assert "rank 1 version 4: data in" in c_run.log(0) and "does not match its checksum" in c_run.log(0)
+        assert (f"not adopting from job {b}: job {b}'s memory holds no intact version. Trying the job that holds "
+                f"the next newest version, if any.") in c_run.log(0), c_run.log(0)[-3000:]
+
+
 def test_a_relaunch_that_cannot_rebuild_the_old_world_is_refused_and_frees_nothing(shm_dir, tmp_path):
     """As above, with two of the old group's three nodes lost: no version can be rebuilt.
     The relaunch stops on every rank with the reason, never a fresh start, and the old
