@@ -5,7 +5,7 @@ the engine's parts (see the README's architecture section) and may change.
 """
 from .config import DP_SHARD_CHOICES, FtmemConfig
 from .destinations import RestoreTargets, TensorPlace
-from .elastic import Adopted
+from .elastic import Adopted, OtherWorlds
 from .engine import SnapshotEngine
 from .errors import (CollectiveNotJoined, ConfigError, CorruptShard, EcGeometryMismatch, FtmemError,
                      JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion, NotRecoverableFromMemory, ShmBudgetError,
@@ -29,7 +29,7 @@ __all__ = [
     "SnapshotEngine", "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes",
     "rng_states", "set_rng_states",
     # the adapter seam and runtime
-    "FrameworkFormat", "AdapterRuntime", "Resumption", "Adopted", "MEMORY", "DISK", "SCRATCH", "check_startup",
+    "FrameworkFormat", "AdapterRuntime", "Resumption", "Adopted", "OtherWorlds", "MEMORY", "DISK", "SCRATCH", "check_startup",
     "RestoreTargets",
     "TensorPlace", "collection_deferred",
     "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins", "world_in_words",

@@ -14,11 +14,14 @@ ZeRO loader reads every old rank's files), the new job resumes from that memory:
    that every old rank holds or can rebuild from its old column's parity;
 3. each reader checks its old ranks' bytes against their checksums (a damaged copy
    counts as lost, and the version is chosen again) and broadcasts them, with the
-   parity of columns that lost a member, to every new rank over the job's gloo group;
+   parity of columns that lost a member, to every new rank over the job's gloo group:
+   the bytes of the old ranks some new rank loads (:class:`OtherWorlds`), of their DP
+   replicas (a DP-sharded rank's replicated bytes lie across them), and of the columns
+   of those among them that were lost;
 4. every new rank decodes the lost old ranks' data (checked against the checksum its
-   writer took), joins each old DP group's replicated slices, and so holds every old
-   rank's state: what DeepSpeed's elastic loader reads from files on every rank anyway.
-   It costs each new rank the old job's whole state in memory, for the load.
+   writer took), joins each old DP group's replicated slices, and so holds the state of
+   each old rank it loads: every one for DeepSpeed (its elastic loader reads every old
+   rank's files), one for Megatron.
 
 The old job's memory is the only copy of the version until the new job protects one of
 its own; only then is it freed (:meth:`Adopted.free`), each reader its own old nodes.
@@ -42,7 +45,7 @@ from .copier import joined_stream, read_from_slot
 from .errors import CorruptShard, LayoutMismatch, NotRecoverableFromMemory
 from .identity import RankIdentity, job_root, world_in_words
 from .jobs import free_node, node_ranks
-from .logs import job_info
+from .logs import job_info, rank_info
 from .ownership import other_jobs_of_origin, readable_records
 from .parallel import ParallelLayout
 from .placement import ECGroup
@@ -50,6 +53,16 @@ from .protect import Geometry, Topology, decode_member, member_piece, plan_recov
 from .restore import gather_objects
 from .serialize import join_state
 from .slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore, decode_record, encode_record
+
+
+@dataclass(frozen=True)
+class OtherWorlds:
+    """How an adapter loads a version that another world saved."""
+
+    # Why it cannot load a version saved under this (old) layout; None if it can.
+    refuse: Callable[[ParallelLayout], Optional[str]]
+    # The old ranks whose state this rank loads, under this (old) layout; None: every one.
+    loads: Callable[[ParallelLayout], Optional[list[int]]] = lambda layout: None
 
 
 @dataclass
@@ -60,7 +73,7 @@ class Adopted:
     version: int
     world: str  # that job's world, in words
     layout: ParallelLayout  # its parallel layout
-    states: list  # every old rank's state, by old rank
+    states: list  # every old rank's state, by old rank; None for those this rank does not load
     rebuilt: list[int]  # the old ranks whose data was rebuilt from parity
     read_here: list[str]  # the old node directories this rank read, and frees
     # Other old jobs of the origin that hold nothing newer than ``version``: {job: the node
@@ -95,14 +108,14 @@ def _free_nodes(shm_dir: str, job: str, paths: list[str], why: str) -> None:
 
 
 def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_name: str,
-          refuse: Callable[[ParallelLayout], Optional[str]]) -> Adopted:
+          other_worlds: OtherWorlds) -> Adopted:
     """The newest version that the other jobs of this job's origin can give back, on every
     rank (collective over ``group``, the job's gloo group). There are several where a
     relaunch that adopted a version died before it had freed the job it adopted from: the
     one holding the newest version is tried first, then the others, newest first, while
-    what a job holds cannot be rebuilt. ``refuse(old layout)`` says why this framework
-    cannot load a version saved under that layout (None if it can): then LayoutMismatch, as
-    for a version it saved itself with another layout, before any byte moves.
+    what a job holds cannot be rebuilt. Where ``other_worlds.refuse`` says why the adapter
+    cannot load a version saved under the old layout: LayoutMismatch, as for a version it
+    saved itself with another layout, before any byte moves.
     NotRecoverableFromMemory where no job can give a version back."""
     rank = dist.get_rank() if group is not None else 0
     here = other_jobs_of_origin(identity)
@@ -115,7 +128,7 @@ def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_nam
     problems = []
     for old in sorted(newest, key=lambda job: (-newest[job], job)):
         try:
-            adopted = _adopt_from(old, identity, seen, here, rank, group, format_name, refuse)
+            adopted = _adopt_from(old, identity, seen, here, rank, group, format_name, other_worlds)
         except NotRecoverableFromMemory as e:
             job_info("not adopting from job %s: %s Trying the job that holds the next newest version, if any.", old, e)
             problems.append(str(e))
@@ -148,8 +161,7 @@ def _read_by(rank: int, job: str, seen: list, here: dict) -> dict[int, str]:
 
 
 def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: int,
-                group: Optional[dist.ProcessGroup], format_name: str,
-                refuse: Callable[[ParallelLayout], Optional[str]]) -> Adopted:
+                group: Optional[dist.ProcessGroup], format_name: str, other_worlds: OtherWorlds) -> Adopted:
     """The newest version job ``old`` can give back (collective; see :func:`adopt`)."""
     readers = _readers(old, seen)
     read_here = _read_by(rank, old, seen, here)
@@ -164,13 +176,19 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
     layout = sample.layout
     world = sum(len(g) for g in layout.dp_groups)
     per_node = max(n for held in seen for n, _ in held.get(old, {}).values())
-    refusal = refuse(layout)
+    refusal = other_worlds.refuse(layout)
     if refusal:
         raise LayoutMismatch(refusal)
+    loads = other_worlds.loads(layout)
+    mine = set(range(world) if loads is None else loads)
+    loaded = set().union(*gather_objects(mine, group))  # by some new rank
+    # A DP-sharded rank's replicated bytes lie across its DP replicas (a job shards all or none).
+    sharded = any(record.plan.shard is not None for held in commits.values() for record in held.values())
+    needed = {q for r in loaded for q in (layout.dp_group_of(r) if sharded else [r])}
     topology = Topology(world, per_node, _old_groups(world // per_node, parities))
-    chosen, lost, read = _choose(topology, stores, commits, parities, group, old)
-    columns = {topology.column_of(r) for r in lost}
-    data = _broadcast(sorted(r for r in range(world) if chosen in commits.get(r, {})), DATA, read, readers, per_node,
+    chosen, lost, read = _choose(topology, stores, commits, parities, group, old, needed)
+    moved, columns = _to_move(topology, lost, needed)
+    data = _broadcast(sorted(r for r in moved if chosen in commits.get(r, {})), DATA, read, readers, per_node,
                       group, lambda r: commits[r][chosen].plan.nbytes)
     holders = sorted(r for r in range(world) if chosen in parities.get(r, {}) and r not in lost
                      and topology.column_of(r) in columns)
@@ -178,7 +196,8 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
                         lambda r: parities[r][chosen].piece_size * len(parities[r][chosen].checksums))
     del read
     records = {r: commits[r][chosen] for r in data}
-    for r in lost:
+    rebuilt = sorted(r for r in lost if r in needed)
+    for r in rebuilt:
         records[r], data[r] = _rebuild(topology, r, chosen, data, parity, parities, old)
     streams: dict[tuple, torch.Tensor] = {}
 
@@ -189,9 +208,13 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
         return streams[replicas]
 
     states = [join_state(records[r].skeleton, read_from_slot(data[r], records[r].plan, torch.device("cpu"),
-                                                             lambda r=r: stream_of(r))) for r in range(world)]
+                                                             lambda r=r: stream_of(r))) if r in mine else None
+              for r in range(world)]
+    if loads is not None:
+        rank_info(rank, "takes old rank(s) %s's state of job %s's version %d (%d of its %d old ranks' bytes moved to "
+                  "the new ranks)", sorted(mine), old, chosen, len(data), world)
     return Adopted(job=old, version=chosen, world=world_in_words(world, per_node), layout=layout, states=states,
-                   rebuilt=sorted(lost), read_here=sorted(read_here.values()))
+                   rebuilt=rebuilt, read_here=sorted(read_here.values()))
 
 
 def _records_of(stores: dict[int, RankStore], origin: str,
@@ -228,12 +251,20 @@ def _old_groups(nodes: int, parities: dict[int, dict]) -> tuple[ECGroup, ...]:
     return tuple(sorted((ECGroup(nodes=tuple(n), m=m) for n, m in groups), key=lambda g: g.nodes))
 
 
+def _to_move(topology: Topology, lost: list[int], needed: set[int]) -> tuple[set[int], set[tuple[int, int]]]:
+    """The old ranks whose data, and the columns whose parity, the new ranks need: the
+    ``needed`` ranks' data and, where one of them was lost, its column's data and parity."""
+    columns = {topology.column_of(r) for r in lost if r in needed}
+    return needed | {r for r in range(topology.world_size) if topology.column_of(r) in columns}, columns
+
+
 def _choose(topology: Topology, stores: dict[int, RankStore], commits: dict, parities: dict,
-            group: Optional[dist.ProcessGroup], old: str) -> tuple[int, list[int], dict]:
-    """The version to adopt, the old ranks to rebuild, and the bytes of it this rank reads
-    ({(old rank, DATA or PARITY): bytes}), read into private memory and checked first
-    (before any rank waits in a broadcast for them): a damaged or unreadable copy counts
-    as lost, on every rank alike, and the version is chosen again."""
+            group: Optional[dist.ProcessGroup], old: str, needed: set[int]) -> tuple[int, list[int], dict]:
+    """The version to adopt, the old ranks lost from it, and the bytes of it this rank
+    reads for the ``needed`` old ranks ({(old rank, DATA or PARITY): bytes}), read into
+    private memory and checked first (before any rank waits in a broadcast for them): a
+    damaged or unreadable copy counts as lost, on every rank alike, and the version is
+    chosen again."""
     while True:
         ranks = range(topology.world_size)
         decision = plan_recovery(topology, [{v: c.plan.nbytes for v, c in commits.get(r, {}).items()} for r in ranks],
@@ -241,10 +272,10 @@ def _choose(topology: Topology, stores: dict[int, RankStore], commits: dict, par
         if decision is None:
             raise NotRecoverableFromMemory(f"job {old}'s memory holds no intact version.")
         chosen, lost = decision
-        columns = {topology.column_of(r) for r in lost}
+        moved, columns = _to_move(topology, lost, needed)
         read, damaged = {}, []
         for r, store in stores.items():
-            wanted = [(DATA, commits.get(r, {}).get(chosen))]
+            wanted = [(DATA, commits.get(r, {}).get(chosen))] if r in moved else []
             if topology.column_of(r) in columns:
                 wanted.append((PARITY, parities.get(r, {}).get(chosen)))
             for kind, record in wanted:

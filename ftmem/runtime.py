@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import testhooks
 from .config import FtmemConfig
 from .destinations import RestoreTargets
-from .elastic import Adopted, adopt
+from .elastic import Adopted, OtherWorlds, adopt
 from .engine import SnapshotEngine
 from .errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from .format import FrameworkFormat
@@ -127,7 +127,7 @@ class AdapterRuntime:
 
     # -- restore ------------------------------------------------------------------------
     def restore(self, disk_version: Optional[int] = None, into: Optional[RestoreTargets] = None,
-                other_worlds: Optional[Callable[[ParallelLayout], Optional[str]]] = None) -> Resumption:
+                other_worlds: Optional[OtherWorlds] = None) -> Resumption:
         """Decide where to resume (collective): the newest version memory can recover for every
         rank (restored into the tensors ``into`` names: :mod:`ftmem.destinations`), unless the
         newest disk checkpoint (``disk_version``: this rank's view, None if none) is newer; else
@@ -303,7 +303,7 @@ def _freed_once_protected(adopted: Optional[Adopted], engine: SnapshotEngine) ->
 
 
 def _adopt(engine: SnapshotEngine, format_name: str, agree: Callable[[Optional[str]], Optional[str]],
-           other_worlds: Optional[Callable[[ParallelLayout], Optional[str]]]) -> Optional[Adopted]:
+           other_worlds: Optional[OtherWorlds]) -> Optional[Adopted]:
     """The version of another world's job from this job's origin (collective), adopted
     (:mod:`ftmem.elastic`) where ``other_worlds`` says the adapter can load it; None if
     there is none; else LayoutMismatch saying why not."""

@@ -29,7 +29,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import (DISK, MEMORY, Adopted, AdapterRuntime, FtmemConfig, FtmemError, NotRecoverableFromMemory,
-                   ParallelLayout, Restored, RestoreTargets, check_startup, everyone_joins, flushed, gather_dp_groups,
+                   OtherWorlds, ParallelLayout, Restored, RestoreTargets, check_startup, everyone_joins, flushed, gather_dp_groups,
                    job_info, save_atomically, world_in_words)
 
 from .format import DeepSpeedFormat
@@ -344,7 +344,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         persist_dir = self.config.persist.dir
         on_disk = flushed(persist_dir)[-1] if persist_dir and flushed(persist_dir) else None
         resumption = self.runtime.restore(disk_version=on_disk["version"] if on_disk else None, into=into,
-                                          other_worlds=self._cannot_load)
+                                          other_worlds=OtherWorlds(refuse=self._cannot_load))
         if resumption.adopted is not None:
             self._resumed_by_adoption(resumption.adopted)
         elif resumption.source == MEMORY:

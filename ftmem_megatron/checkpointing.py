@@ -29,8 +29,8 @@ from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
 from ftmem import (DISK, MEMORY, Adopted, AdapterRuntime, ConfigError, LayoutMismatch, NotRecoverableFromMemory,
-                   ParallelLayout, Restored, RestoreTargets, RestoreTimes, Resumption, SaveHandle, collection_deferred,
-                   gather_dp_groups, rank_info)
+                   OtherWorlds, ParallelLayout, Restored, RestoreTargets, RestoreTimes, Resumption, SaveHandle,
+                   collection_deferred, gather_dp_groups, rank_info)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
@@ -308,14 +308,17 @@ class MegatronCheckpointer:
                     "state is split across the DP replicas (resharding it from memory is not built)")
         return None
 
-    def _taken_from(self, adopted: Adopted) -> Restored:
-        """This rank's part of another world's version: the state of the first DP replica of
-        its place. Both worlds order their DP groups alike (by their lowest rank: by PP, then
-        TP rank), and only the DP size changed (:meth:`_cannot_load`)."""
+    def _source(self, saved: ParallelLayout) -> int:
+        """The old rank whose state this rank takes from a version saved under ``saved``: the
+        first DP replica of its place. Both worlds order their DP groups alike (by their lowest
+        rank: by PP, then TP rank), and only the DP size changed (:meth:`_cannot_load`)."""
         now = sorted(tuple(sorted(g)) for g in self.runtime.engine.layout.dp_groups)
-        then = sorted(tuple(sorted(g)) for g in adopted.layout.dp_groups)
-        place = now.index(tuple(sorted(self.runtime.dp_ranks)))
-        return Restored(version=adopted.version, state=adopted.states[then[place][0]])
+        then = sorted(tuple(sorted(g)) for g in saved.dp_groups)
+        return then[now.index(tuple(sorted(self.runtime.dp_ranks)))][0]
+
+    def _taken_from(self, adopted: Adopted) -> Restored:
+        """This rank's part of another world's version (:meth:`_source`)."""
+        return Restored(version=adopted.version, state=adopted.states[self._source(adopted.layout)])
 
     def _resumption(self, args, on_disk: int, into: RestoreTargets) -> Resumption:
         """Memory's newest version (restored into the tensors ``into`` names); with
@@ -323,7 +326,8 @@ class MegatronCheckpointer:
         step = getattr(args, "ckpt_step", None)
         if step is None:
             return self.runtime.restore(disk_version=on_disk if on_disk >= 0 else None, into=into,
-                                        other_worlds=self._cannot_load)
+                                        other_worlds=OtherWorlds(refuse=self._cannot_load,
+                                                                 loads=lambda saved: [self._source(saved)]))
         try:
             return Resumption(MEMORY, restored=self.runtime.restore_named(step))
         except LayoutMismatch as e:  # held, but for another layout or EC geometry

@@ -30,8 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ftmem import (DISK, MEMORY, AdapterRuntime, FrameworkFormat, FtmemConfig, ParallelLayout, Resumption, flushed,
-                   save_atomically, write_atomically)
+from ftmem import (DISK, MEMORY, AdapterRuntime, FrameworkFormat, FtmemConfig, OtherWorlds, ParallelLayout,
+                   Resumption, flushed, save_atomically, write_atomically)
 
 
 class TensorFiles(FrameworkFormat):
@@ -104,7 +104,7 @@ def train(args, world: int) -> None:
     resumption = (Resumption(MEMORY, restored=runtime.restore_named(args.load_version))
                   if args.load_version is not None else
                   runtime.restore(disk_version=on_disk, into=(lambda saved: {"w": own}) if own is not None else None,
-                                  other_worlds=(lambda layout: None) if args.other_worlds else None))
+                                  other_worlds=OtherWorlds(refuse=lambda layout: None) if args.other_worlds else None))
     start = 1
     if resumption.adopted is not None:
         adopted = resumption.adopted

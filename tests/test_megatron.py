@@ -119,21 +119,26 @@ def stopped_after(job: "MegatronJob", world: int) -> None:
         run.kill_all()
 
 
-@pytest.mark.parametrize("lost_node", [0, None], ids=["a node lost", "shrunk"])
+@pytest.mark.parametrize("lost_node, dp_shard, moved, rebuilt", [
+    (0, "auto", 4, [0]), (None, "auto", 4, []),
+    # Without DP sharding each old rank holds its whole state: only the two taken move, and
+    # the lost node 2 (DP replica 1, which no new rank takes) is not rebuilt.
+    (2, "off", 2, [])], ids=["a node lost", "shrunk", "a replica's node lost, no DP sharding"])
 def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatron_loads_its_files(
-        lost_node, shm_dir, tmp_path):
+        lost_node, dp_shard, moved, rebuilt, shm_dir, tmp_path):
     """TP 2 x DP 2 on 4 virtual nodes (k=3, m=1) stops after iteration 3 and is killed;
-    ftmem's job may also lose node 0 (TP rank 0 of DP replica 0: the rank whose state the
-    new TP rank 0 takes). Both come back as TP 2 x DP 1 on 2 ranks, their job ids derived
+    ftmem's job may also lose a node (node 0: TP rank 0 of DP replica 0, the rank whose state
+    the new TP rank 0 takes). Both come back as TP 2 x DP 1 on 2 ranks, their job ids derived
     from the new world: ftmem's relaunch adopts the old world's version from memory, where
     the reference (no ftmem) loads Megatron's torch-format files of iteration 3 (each rank
-    its TP rank's file, which DP replica 0 wrote). Training then goes on bitwise alike, and
-    the old job's memory is freed once the relaunch protects a version of its own."""
+    its TP rank's file, which DP replica 0 wrote). Each new rank receives only the old bytes
+    its state is made of. Training then goes on bitwise alike, and the old job's memory is
+    freed once the relaunch protects a version of its own."""
     outs = {}
     for name, stock in (("reference", True), ("ftmem", False)):
         job = MegatronJob(4, ["--tensor-model-parallel-size", "2"],
-                          ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "3", "--ftmem-ec-m", "1"], shm_dir,
-                          str(tmp_path / name), stock=stock)
+                          ["--ftmem-ranks-per-node", "1", "--ftmem-dp-shard", dp_shard, "--ftmem-ec-k", "3",
+                           "--ftmem-ec-m", "1"], shm_dir, str(tmp_path / name), stock=stock)
         job.job = ""  # derived from the save dir and the world
         if stock:
             job.args[job.args.index("--save-interval") + 1] = "1"
@@ -146,10 +151,12 @@ def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatr
         job.world = 2
         job.run(str(tmp_path / f"{name}.json"))
         outs[name] = read_out(str(tmp_path / f"{name}.json"))
-    rebuilt = "" if lost_node is None else f", its rank(s) [{lost_node}] rebuilt from parity"
+    rebuilt = f", its rank(s) {rebuilt} rebuilt from parity" if rebuilt else ""
     for rank in range(2):
         assert logged(restored_from_memory(STOP, rank, f"saved by job {old} on 4 ranks (4 nodes of 1){rebuilt}"),
                       job.log(rank)), job.log(rank)[-3000:]
+        assert (f"rank {rank}: takes old rank(s) [{rank}]'s state of job {old}'s version {STOP} ({moved} of its 4 "
+                f"old ranks' bytes moved to the new ranks)") in job.log(rank)
     assert outs["ftmem"]["losses"] == outs["reference"]["losses"]
     assert outs["ftmem"]["digests"] == outs["reference"]["digests"]
     assert f"freed job {old}'s memory" in job.log(0)
