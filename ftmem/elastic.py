@@ -268,7 +268,8 @@ def _choose(topology: Topology, stores: dict[int, RankStore], commits: dict, par
     while True:
         ranks = range(topology.world_size)
         decision = plan_recovery(topology, [{v: c.plan.nbytes for v, c in commits.get(r, {}).items()} for r in ranks],
-                                 [{v: Geometry.of(p) for v, p in parities.get(r, {}).items()} for r in ranks])
+                                 [{v: Geometry.of(p) for v, p in parities.get(r, {}).items()} for r in ranks],
+                                 needed=needed)
         if decision is None:
             raise NotRecoverableFromMemory(f"job {old}'s memory holds no intact version.")
         chosen, lost = decision

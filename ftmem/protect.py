@@ -132,11 +132,14 @@ def column_problem(group: ECGroup, has_data: set[int], has_parity: set[int]) -> 
 
 
 def plan_recovery(topology: Topology, data: list[dict[int, int]], parity: list[dict[int, Geometry]],
-                  requested: Optional[int] = None) -> Optional[tuple[int, list[int]]]:
-    """The newest version every rank can restore, held or rebuilt, and the ranks to rebuild.
+                  requested: Optional[int] = None,
+                  needed: Optional[set[int]] = None) -> Optional[tuple[int, list[int]]]:
+    """The newest version every rank can restore, held or rebuilt, and the ranks lost from it.
 
     ``data[r]``: the versions rank r holds intact, with their lengths in bytes;
-    ``parity[r]``: the versions it holds intact parity for, with its geometry. Every
+    ``parity[r]``: the versions it holds intact parity for, with its geometry;
+    ``needed``: the ranks that must restore (None: every rank), where another world adopts
+    the version (:mod:`ftmem.elastic`): a column that lost none of them need not rebuild. Every
     rank decides alike from the same inputs, before any rebuild moves a byte. Returns
     None when no rank holds any version (a fresh job); raises NotRecoverableFromMemory,
     naming the groups and nodes, when versions exist but none is recoverable everywhere
@@ -154,7 +157,8 @@ def plan_recovery(topology: Topology, data: list[dict[int, int]], parity: list[d
             group = topology.groups[g]
             has_data = {pos for pos, r in enumerate(ranks) if version in data[r]}
             has_parity = {pos for pos, r in enumerate(ranks) if version in parity[r]}
-            if len(has_data) < group.n:
+            lost_needed = any(pos not in has_data and (needed is None or r in needed) for pos, r in enumerate(ranks))
+            if lost_needed:
                 wrong = geometry_problem(group, {pos: data[ranks[pos]][version] for pos in has_data},
                                          [parity[ranks[pos]][version] for pos in sorted(has_parity)])
                 geometry = geometry or wrong is not None

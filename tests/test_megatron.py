@@ -119,15 +119,16 @@ def stopped_after(job: "MegatronJob", world: int) -> None:
         run.kill_all()
 
 
-@pytest.mark.parametrize("lost_node, dp_shard, moved, rebuilt", [
-    (0, "auto", 4, [0]), (None, "auto", 4, []),
-    # Without DP sharding each old rank holds its whole state: only the two taken move, and
-    # the lost node 2 (DP replica 1, which no new rank takes) is not rebuilt.
-    (2, "off", 2, [])], ids=["a node lost", "shrunk", "a replica's node lost, no DP sharding"])
+@pytest.mark.parametrize("lost, dp_shard, moved, rebuilt", [
+    ([0], "auto", 4, [0]), ([], "auto", 4, []),
+    # Without DP sharding each old rank holds its whole state: only the two taken move.
+    # Nodes 2 and 3 (DP replica 1, which no new rank takes) lost: more than m=1, yet
+    # nothing the relaunch loads is lost, so nothing is rebuilt.
+    ([2, 3], "off", 2, [])], ids=["a node lost", "shrunk", "a replica's nodes lost, no DP sharding"])
 def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatron_loads_its_files(
-        lost_node, dp_shard, moved, rebuilt, shm_dir, tmp_path):
+        lost, dp_shard, moved, rebuilt, shm_dir, tmp_path):
     """TP 2 x DP 2 on 4 virtual nodes (k=3, m=1) stops after iteration 3 and is killed;
-    ftmem's job may also lose a node (node 0: TP rank 0 of DP replica 0, the rank whose state
+    ftmem's job may also lose nodes (node 0: TP rank 0 of DP replica 0, the rank whose state
     the new TP rank 0 takes). Both come back as TP 2 x DP 1 on 2 ranks, their job ids derived
     from the new world: ftmem's relaunch adopts the old world's version from memory, where
     the reference (no ftmem) loads Megatron's torch-format files of iteration 3 (each rank
@@ -145,8 +146,8 @@ def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatr
         stopped_after(job, 4)
         if not stock:
             [old] = jobs.list_jobs(shm_dir)
-            if lost_node is not None:
-                jobs.lose_node(shm_dir, old, lost_node)
+            for node in lost:
+                jobs.lose_node(shm_dir, old, node)
             job.args[-4:] = ["--ftmem-ec-k", "1", "--ftmem-ec-m", "1"]  # 2 nodes now
         job.world = 2
         job.run(str(tmp_path / f"{name}.json"))
