@@ -25,8 +25,10 @@ ZeRO loader reads every old rank's files), the new job resumes from that memory:
 
 The old job's memory is the only copy of the version until the new job protects one of
 its own; only then is it freed (:meth:`Adopted.free`), each reader its own old nodes.
-A relaunch that dies before that leaves two old jobs of the origin in memory; the next
-relaunch adopts the newest version either gives back, and frees the older job with it.
+A relaunch that dies before that leaves two old jobs of the origin in memory, one
+descending from the other (each version records the job and version its line was adopted
+from: ``CommitRecord.lineage``); the next relaunch adopts from the newest of the line
+that can give its version back, and frees the older ones with it.
 """
 from __future__ import annotations
 
@@ -112,37 +114,63 @@ def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_nam
     """The newest version that the other jobs of this job's origin can give back, on every
     rank (collective over ``group``, the job's gloo group). There are several where a
     relaunch that adopted a version died before it had freed the job it adopted from: the
-    one holding the newest version is tried first, then the others, newest first, while
-    what a job holds cannot be rebuilt. Where ``other_worlds.refuse`` says why the adapter
-    cannot load a version saved under the old layout: LayoutMismatch, as for a version it
-    saved itself with another layout, before any byte moves.
+    newest job of that line is tried first, then the jobs it descends from, while what a
+    job holds cannot be rebuilt (:func:`line_of_jobs`). Where ``other_worlds.refuse`` says
+    why the adapter cannot load a version saved under the old layout: LayoutMismatch, as
+    for a version it saved itself with another layout, before any byte moves.
     NotRecoverableFromMemory where no job can give a version back."""
     rank = dist.get_rank() if group is not None else 0
     here = other_jobs_of_origin(identity)
-    seen = gather_objects({job: {node: (len(node_ranks(path)), _newest(path, identity.origin))
+    seen = gather_objects({job: {node: (len(node_ranks(path)), _head(path, identity.origin))
                                  for node, path in dirs.items()} for job, dirs in here.items()}, group)
-    newest: dict[str, int] = {}
+    heads: dict[str, tuple] = {}  # job -> (its newest version, that version's lineage)
     for held in seen:
         for job, nodes in held.items():
-            newest[job] = max(newest.get(job, -1), *(version for _, version in nodes.values()))
-    problems = []
-    for old in sorted(newest, key=lambda job: (-newest[job], job)):
+            heads[job] = max([heads.get(job, (-1, None)), *(head for _, head in nodes.values())], key=lambda h: h[0])
+    if not heads:
+        raise NotRecoverableFromMemory("the other jobs' memory went away before it could be read (ftmem clean?).")
+    line, problems = line_of_jobs(heads), []
+    for i, old in enumerate(line):
         try:
             adopted = _adopt_from(old, identity, seen, here, rank, group, format_name, other_worlds)
         except NotRecoverableFromMemory as e:
-            job_info("not adopting from job %s: %s Trying the job that holds the next newest version, if any.", old, e)
+            job_info("not adopting from job %s: %s Trying the job it descends from, if any.", old, e)
             problems.append(str(e))
             continue
-        adopted.superseded = {job: sorted(_read_by(rank, job, seen, here).values()) for job in newest
-                              if job != old and newest[job] <= adopted.version}
+        adopted.superseded = {job: sorted(_read_by(rank, job, seen, here).values()) for job in line[i + 1:]}
         return adopted
     raise NotRecoverableFromMemory(" ".join(problems))
 
 
-def _newest(path: str, origin: str) -> int:
-    """The newest version of ``origin`` that a node directory holds a readable record of (-1: none)."""
-    return max((record.version for rank in node_ranks(path) for record in readable_records(RankStore(path, rank))
-                if record.origin == origin), default=-1)
+def line_of_jobs(heads: dict[str, tuple[int, Optional[tuple[str, int]]]]) -> list[str]:
+    """The old jobs of an origin to adopt from, in the order to try them, from each job's
+    newest version and that version's lineage (``heads``): the job that no other descends
+    from, then the job it descends from, and so on. LayoutMismatch where the jobs are not
+    one such line (two unrelated jobs, or two relaunches of one job): ftmem cannot tell
+    which one this job continues, and version numbers alone do not say (a relaunch that
+    fell back to an older disk checkpoint starts a line of its own)."""
+    parents = {job: lineage[0] for job, (_, lineage) in heads.items() if lineage and lineage[0] in heads}
+    newest = [job for job in heads if job not in parents.values()]
+    if len(newest) != 1:
+        described = ", ".join(f"{job} (newest version {heads[job][0]}"
+                              + (f", adopted from job {parents[job]})" if job in parents else ")")
+                              for job in sorted(heads))
+        raise LayoutMismatch(f"the memory of several jobs is held ({described}), and they are not one line of "
+                             f"relaunches, each adopting from the one before: ftmem cannot tell which one this "
+                             f"job continues (free the others first)")
+    line = newest
+    while line[-1] in parents and parents[line[-1]] not in line:
+        line = line + [parents[line[-1]]]
+    return line
+
+
+def _head(path: str, origin: str) -> tuple[int, Optional[tuple[str, int]]]:
+    """The newest version of ``origin`` that a node directory holds a readable record of
+    (-1: none) and that record's lineage."""
+    records = [record for rank in node_ranks(path) for record in readable_records(RankStore(path, rank))
+               if record.origin == origin]
+    newest = max(records, key=lambda record: record.version, default=None)
+    return (-1, None) if newest is None else (newest.version, newest.lineage)
 
 
 def _readers(job: str, seen: list) -> dict[int, int]:
@@ -195,7 +223,7 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
     parity = _broadcast(holders, PARITY, read, readers, per_node, group,
                         lambda r: parities[r][chosen].piece_size * len(parities[r][chosen].checksums))
     del read
-    records = {r: commits[r][chosen] for r in data}
+    records, received = {r: commits[r][chosen] for r in data}, len(data)
     rebuilt = sorted(r for r in lost if r in needed)
     for r in rebuilt:
         records[r], data[r] = _rebuild(topology, r, chosen, data, parity, parities, old)
@@ -211,8 +239,8 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
                                                              lambda r=r: stream_of(r))) if r in mine else None
               for r in range(world)]
     if loads is not None:
-        rank_info(rank, "takes old rank(s) %s's state of job %s's version %d (%d of its %d old ranks' bytes moved to "
-                  "the new ranks)", sorted(mine), old, chosen, len(data), world)
+        rank_info(rank, "takes old rank(s) %s's state of job %s's version %d (the data of %d of its %d old ranks "
+                  "received, %d rebuilt)", sorted(mine), old, chosen, received, world, len(rebuilt))
     return Adopted(job=old, version=chosen, world=world_in_words(world, per_node), layout=layout, states=states,
                    rebuilt=rebuilt, read_here=sorted(read_here.values()))
 

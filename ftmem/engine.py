@@ -130,6 +130,7 @@ class SnapshotEngine:
         self._inflight: Optional[SaveHandle] = None
         self._planner = Planner()
         self.protected: Optional[int] = None  # the newest version saved and protected, or resumed from
+        self.lineage: Optional[tuple[str, int]] = None  # recorded in each version (CommitRecord.lineage)
         self._closed = False
 
     @property
@@ -171,7 +172,8 @@ class SnapshotEngine:
             self.memory.pin(slot_bytes)
         handle = SaveHandle(version)
         record = CommitRecord(version=version, rank=self.rank, slot=slot, plan=plan, skeleton=skeleton,
-                              layout=self.layout, format=self.format, origin=self.identity.origin)
+                              layout=self.layout, format=self.format, origin=self.identity.origin,
+                              lineage=self.lineage)
         self._committer.start(handle, record, tensors, slot_bytes, capture_cuda_order(tensors), persist)
         self._inflight = handle
         return handle

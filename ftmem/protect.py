@@ -134,7 +134,7 @@ def column_problem(group: ECGroup, has_data: set[int], has_parity: set[int]) -> 
 def plan_recovery(topology: Topology, data: list[dict[int, int]], parity: list[dict[int, Geometry]],
                   requested: Optional[int] = None,
                   needed: Optional[set[int]] = None) -> Optional[tuple[int, list[int]]]:
-    """The newest version every rank can restore, held or rebuilt, and the ranks lost from it.
+    """The newest version every needed rank can restore, held or rebuilt, and the ranks lost from it.
 
     ``data[r]``: the versions rank r holds intact, with their lengths in bytes;
     ``parity[r]``: the versions it holds intact parity for, with its geometry;

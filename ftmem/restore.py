@@ -50,6 +50,7 @@ class Restored:
     state: Any
     rebuilt: bool = False  # this rank's data was rebuilt from its EC group's parity
     times: RestoreTimes = field(default_factory=RestoreTimes)
+    lineage: Optional[tuple[str, int]] = None  # the version's CommitRecord.lineage
 
 
 def gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> list:
@@ -249,7 +250,8 @@ class Restorer:
         rank_info(self.rank, "restore of version %d took %.3f s: agreeing and checking %.3f s, rebuilding %.3f s, "
                   "copying %.3f s, waiting for the DP gather %.3f s", chosen, times.total_s, times.agree_s,
                   times.rebuild_s, times.copy_s, times.gather_wait_s)
-        return Restored(version=chosen, state=state, rebuilt=self.rank in to_rebuild, times=times)
+        return Restored(version=chosen, state=state, rebuilt=self.rank in to_rebuild, times=times,
+                        lineage=record.lineage)
 
     def _refuse_a_fresh_start(self, on_entry: list[int]) -> None:
         """No rank has intact data of any version. That is a fresh job only if no rank held

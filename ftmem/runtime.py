@@ -193,7 +193,8 @@ class AdapterRuntime:
             self.format.restore_rng(restored.state["rng"])
         # The job's newest version until it saves again: a job that ends without saving (a
         # relaunch at its last iteration) must keep it in memory or flush it, never free it.
-        self.engine.protected = restored.version
+        # Its next versions carry on the line it was adopted from (ftmem.elastic).
+        self.engine.protected, self.engine.lineage = restored.version, restored.lineage
         self.last_restore = restored.times
         announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
 
@@ -203,6 +204,7 @@ class AdapterRuntime:
         if rng is not None:
             self.format.restore_rng(rng)
         self._adopted, self.last_restore = adopted, None
+        self.engine.lineage = (adopted.job, adopted.version)
         announce(restored_from_memory(adopted.version, self.rank, ", ".join(filter(None, (detail, str(adopted))))))
 
     def resumed_from_disk(self, iteration: int, directory: str, reason: Optional[str]) -> None:

@@ -67,6 +67,9 @@ class CommitRecord:
     format: Optional[str] = None  # the FrameworkFormat that writes it to disk (ftmem.format), by name
     checksum: Optional[str] = None  # of the slot's bytes in use; set by the writer before the marker exists
     origin: Optional[str] = None  # the job that saved it (ftmem.ownership)
+    # (job, version) of another world's job that this job's line of versions resumed from
+    # (ftmem.elastic), carried on by the versions saved after a restore of one of them.
+    lineage: Optional[tuple[str, int]] = None
 
 
 @dataclass(frozen=True)

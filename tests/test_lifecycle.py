@@ -13,7 +13,8 @@ import pytest
 
 from conftest import flip_byte, job_id, logged
 from examples.launch import LocalJob, wait_until
-from ftmem import jobs, restored_from_memory
+from ftmem import LayoutMismatch, jobs, restored_from_memory
+from ftmem.elastic import line_of_jobs
 from ftmem.identity import job_root
 from ftmem.persist import MANIFEST
 from ftmem.slots import RankStore
@@ -402,8 +403,26 @@ def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_
     else:
         assert sorted(jobs.list_jobs(shm_dir)) == sorted([b, c]) and held(shm_dir, b) == {1: [4]}
         assert "rank 1 version 4: data in" in c_run.log(0) and "does not match its checksum" in c_run.log(0)
-        assert (f"not adopting from job {b}: job {b}'s memory holds no intact version. Trying the job that holds "
-                f"the next newest version, if any.") in c_run.log(0), c_run.log(0)[-3000:]
+        assert (f"not adopting from job {b}: job {b}'s memory holds no intact version. Trying the job it descends "
+                f"from, if any.") in c_run.log(0), c_run.log(0)[-3000:]
+
+
+def test_old_jobs_that_are_not_one_line_of_relaunches_are_refused_not_ranked_by_their_version_numbers():
+    """Which old jobs a relaunch adopts from, in which order, from each job's newest version
+    and the lineage it records (the job and version its line was adopted from)."""
+    assert line_of_jobs({"A": (4, None)}) == ["A"]
+    # B adopted A's version 3, C adopted B's 5: C first, then B, then A.
+    assert line_of_jobs({"A": (4, None), "B": (5, ("A", 3)), "C": (7, ("B", 5))}) == ["C", "B", "A"]
+    # The job a lineage names may be gone: the line ends with the oldest held.
+    assert line_of_jobs({"B": (5, ("A", 3)), "C": (6, ("B", 5))}) == ["C", "B"]
+    # B fell back to an older disk checkpoint and started a line of its own: A's higher
+    # version number does not make A the one this relaunch continues, nor the other way.
+    with pytest.raises(LayoutMismatch, match=r"several jobs is held \(A \(newest version 10\), B \(newest version 7\)\), "
+                                             r"and they are not one line of relaunches"):
+        line_of_jobs({"A": (10, None), "B": (7, None)})
+    # Two relaunches that both adopted from A.
+    with pytest.raises(LayoutMismatch, match=r"B \(newest version 5, adopted from job A\)"):
+        line_of_jobs({"A": (3, None), "B": (5, ("A", 3)), "D": (4, ("A", 3))})
 
 
 def test_a_relaunch_that_cannot_rebuild_the_old_world_is_refused_and_frees_nothing(shm_dir, tmp_path):
