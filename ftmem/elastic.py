@@ -78,7 +78,7 @@ class Adopted:
     states: list  # every old rank's state, by old rank; None for those this rank does not load
     rebuilt: list[int]  # the old ranks whose data was rebuilt from parity
     read_here: list[str]  # the old node directories this rank read, and frees
-    # Other old jobs of the origin that hold nothing newer than ``version``: {job: the node
+    # The old jobs that the adopted one descends from (:func:`line_of_jobs`): {job: the node
     # directories of it that this rank frees with the adopted job's}.
     superseded: dict[str, list[str]] = field(default_factory=dict)
 
