@@ -34,7 +34,7 @@ from ftmem import (DISK, MEMORY, Adopted, AdapterRuntime, ConfigError, LayoutMis
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
-from .sharded_state import from_snapshot, local_tensors, replicated_paths, tensors_at, to_snapshot
+from .sharded_state import from_snapshot, local_tensors, pieces_by_key, replicated_paths, tensors_at, to_snapshot
 from .torch_checkpoint import RELEASE, read_tracker
 
 # Args a resumed job must share with the one that saved (beyond the parallel layout,
@@ -260,7 +260,8 @@ class MegatronCheckpointer:
             problem = _args_mismatch(state["args"], args, scope)
             if problem is None:
                 template = templates[0] if templates else _sharded_state(model, optimizer, placeholders)
-                filled = from_snapshot(template, state["sharded"], state["places"])
+                filled = from_snapshot(template, state["sharded"], state["places"],
+                                       self._split_pieces(resumption.adopted))
         except LayoutMismatch as e:
             problem = str(e)
         problem = self.runtime.agree(problem)
@@ -293,32 +294,50 @@ class MegatronCheckpointer:
     def _cannot_load(self, saved: ParallelLayout) -> Optional[str]:
         """Why this job cannot load a version that another world saved under ``saved`` (None
         if it can). Each rank takes the state of the first DP replica of its place (the same
-        TP, PP, CP and EP ranks), as Megatron-LM's torch-format load takes that replica's file:
-        that holds all the rank needs only where the DP size alone changed and nothing is
-        split across the DP replicas."""
+        TP, PP, CP and EP ranks), as Megatron-LM's torch-format load takes that replica's file,
+        and joins what the distributed optimizer splits from its place's old DP group
+        (:meth:`_split_pieces`): that holds all the rank needs only where the DP size alone
+        changed."""
         now = self.runtime.engine.layout
         changed = [f"{name} {getattr(saved, name)} -> {getattr(now, name)}"
                    for name in ("tp_size", "pp_size", "cp_size", "ep_size")
                    if getattr(saved, name) != getattr(now, name)]
         if changed:
             return (f"it resumes Megatron from another world's memory only where the DP size alone changed "
-                    f"({'; '.join(changed)})")
-        if saved.zero_stage or now.zero_stage:
-            return ("it resumes Megatron from another world's memory only without the distributed optimizer, whose "
-                    "state is split across the DP replicas (resharding it from memory is not built)")
+                    f"({'; '.join(changed)}): the model's tensors would have to be split otherwise, which is not "
+                    f"built")
+        if saved.zero_stage != now.zero_stage:
+            return (f"the version was saved {'with' if saved.zero_stage else 'without'} the distributed optimizer, "
+                    f"and this job runs {'with' if now.zero_stage else 'without'} it")
         return None
 
-    def _source(self, saved: ParallelLayout) -> int:
-        """The old rank whose state this rank takes from a version saved under ``saved``: the
-        first DP replica of its place. Both worlds order their DP groups alike (by their lowest
-        rank: by PP, then TP rank), and only the DP size changed (:meth:`_cannot_load`)."""
+    def _old_dp_group(self, saved: ParallelLayout) -> tuple:
+        """The old ranks of this rank's place (its old DP group) in a version saved under
+        ``saved``. Both worlds order their DP groups alike (by their lowest rank: by PP, then
+        TP rank), and only the DP size changed (:meth:`_cannot_load`)."""
         now = sorted(tuple(sorted(g)) for g in self.runtime.engine.layout.dp_groups)
         then = sorted(tuple(sorted(g)) for g in saved.dp_groups)
-        return then[now.index(tuple(sorted(self.runtime.dp_ranks)))][0]
+        return then[now.index(tuple(sorted(self.runtime.dp_ranks)))]
+
+    def _loads(self, saved: ParallelLayout) -> list[int]:
+        """The old ranks whose state this rank takes from a version saved under ``saved``: the
+        first DP replica of its place; with the distributed optimizer, which splits its state
+        across the replicas, every one of them."""
+        group = self._old_dp_group(saved)
+        return list(group) if saved.zero_stage else [group[0]]
 
     def _taken_from(self, adopted: Adopted) -> Restored:
-        """This rank's part of another world's version (:meth:`_source`)."""
-        return Restored(version=adopted.version, state=adopted.states[self._source(adopted.layout)])
+        """This rank's part of another world's version: its first DP replica's (:meth:`_loads`)."""
+        return Restored(version=adopted.version, state=adopted.states[self._old_dp_group(adopted.layout)[0]])
+
+    def _split_pieces(self, adopted: Optional[Adopted]):
+        """For another world's version saved with the distributed optimizer: its pieces of
+        the tensors split across this rank's old DP group (:func:`pieces_by_key`), from which
+        a load after a DP change joins this rank's ranges. None otherwise."""
+        if adopted is None or not adopted.layout.zero_stage:
+            return None
+        states = [adopted.states[r] for r in self._old_dp_group(adopted.layout)]
+        return pieces_by_key([(state["sharded"], state["places"]) for state in states])
 
     def _resumption(self, args, on_disk: int, into: RestoreTargets) -> Resumption:
         """Memory's newest version (restored into the tensors ``into`` names); with
@@ -326,8 +345,7 @@ class MegatronCheckpointer:
         step = getattr(args, "ckpt_step", None)
         if step is None:
             return self.runtime.restore(disk_version=on_disk if on_disk >= 0 else None, into=into,
-                                        other_worlds=OtherWorlds(refuse=self._cannot_load,
-                                                                 loads=lambda saved: [self._source(saved)]))
+                                        other_worlds=OtherWorlds(refuse=self._cannot_load, loads=self._loads))
         try:
             return Resumption(MEMORY, restored=self.runtime.restore_named(step))
         except LayoutMismatch as e:  # held, but for another layout or EC geometry

@@ -14,6 +14,12 @@ nested structure and records every place beside it. Two things follow from the p
 
 The filled template is a plain state dict that the modules' and the optimizer's own
 ``load_state_dict`` take.
+
+A tensor split across the DP replicas (the distributed optimizer's ``dp_reshardable``
+buckets: 1-D global tensors, each DP rank holding a range) sits elsewhere after a DP
+change. Given the old DP group's pieces (:func:`pieces_by_key`), a template's tensor is
+then joined from the pieces of its key that overlap it, as a load planner reads a
+``torch_dist`` checkpoint; a part that no piece covers is a :class:`LayoutMismatch`.
 """
 from __future__ import annotations
 
@@ -36,13 +42,14 @@ class Place:
     key: str
     global_shape: tuple
     global_offset: tuple
+    local_shape: tuple  # two pieces at one offset differ in length where the DP size split them otherwise
     flattened_range: Optional[tuple]
     dtype: str
 
     @classmethod
     def of(cls, sharded: ShardedTensor) -> "Place":
         flat = sharded.flattened_range
-        return cls(sharded.key, tuple(sharded.global_shape), tuple(sharded.global_offset),
+        return cls(sharded.key, tuple(sharded.global_shape), tuple(sharded.global_offset), tuple(sharded.local_shape),
                    None if flat is None else (flat.start, flat.stop), str(sharded.dtype))
 
 
@@ -74,10 +81,55 @@ def to_snapshot(sharded_state: Any) -> tuple[Any, dict[str, Place]]:
     return walk(sharded_state, ()), places
 
 
-def from_snapshot(template: Any, data: Any, places: dict[str, Place]) -> Any:
-    """Fill ``template`` (sharded state dicts built for loading) with a snapshot's data.
+# A global tensor's pieces by offset, as several ranks saved them: {key: {offset: (place, data)}}.
+Pieces = dict[str, dict[tuple, tuple[Place, torch.Tensor]]]
+# Where a template's list is longer than the snapshot's (other pieces after a DP change).
+_ABSENT = object()
 
-    Raises :class:`LayoutMismatch` naming the first tensor whose place differs.
+
+def pieces_by_key(snapshots: list[tuple[Any, dict[str, Place]]]) -> Pieces:
+    """The tensors of several ranks' snapshots (each its data and places, from
+    :func:`to_snapshot`) by key and global offset; a place held by several (DP replicas)
+    once."""
+    found: Pieces = {}
+    for data, places in snapshots:
+        for path, tensor in _tensors_by_path(data).items():
+            place = places.get(path)
+            if place is not None and place.flattened_range is None:
+                found.setdefault(place.key, {}).setdefault(place.global_offset, (place, tensor))
+    return found
+
+
+def _joined(wanted: Place, like: torch.Tensor, pieces: Pieces, where: str) -> torch.Tensor:
+    """A new tensor like the template's ``like`` at ``wanted``, copied from the overlapping pieces."""
+    def mismatch(why: str) -> LayoutMismatch:
+        return LayoutMismatch(f"the snapshot's tensor at {where!r} does not fit this job: {why} (this job expects "
+                              f"{wanted}).")
+
+    if wanted.flattened_range is not None:
+        raise mismatch("it is saved at another place, and a flattened range is not joined from other pieces")
+    joined, shape = torch.empty_like(like), like.shape
+    covered = 0
+    for place, data in pieces.get(wanted.key, {}).values():
+        if (place.global_shape, place.dtype) != (wanted.global_shape, wanted.dtype):
+            raise mismatch(f"its key {wanted.key!r} was saved as {place}")
+        low = [max(a, b) for a, b in zip(wanted.global_offset, place.global_offset)]
+        high = [min(a + n, b + m) for a, n, b, m in zip(wanted.global_offset, shape, place.global_offset, data.shape)]
+        if all(lo < hi for lo, hi in zip(low, high)):
+            joined[tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, wanted.global_offset))] = \
+                data[tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, place.global_offset))]
+            covered += torch.Size([hi - lo for lo, hi in zip(low, high)]).numel()
+    if covered != joined.numel():
+        raise mismatch(f"the old ranks' pieces of {wanted.key!r} cover {covered} of its {joined.numel()} elements")
+    return joined
+
+
+def from_snapshot(template: Any, data: Any, places: dict[str, Place], pieces: Optional[Pieces] = None) -> Any:
+    """Fill ``template`` (sharded state dicts built for loading) with a snapshot's data;
+    a tensor saved at another place is joined from ``pieces`` (:func:`pieces_by_key`),
+    where given.
+
+    Raises :class:`LayoutMismatch` naming the first tensor that does not fit.
     """
     factories, _ = extract_matching_values(template, lambda x: isinstance(x, ShardedTensorFactory),
                                            return_lists_as_dicts=True)
@@ -87,14 +139,24 @@ def from_snapshot(template: Any, data: Any, places: dict[str, Place]) -> Any:
         where = _path(path)
         if isinstance(expected, ShardedTensor):
             wanted, saved = Place.of(expected), places.get(where)
-            if saved != wanted:
-                raise LayoutMismatch(f"the snapshot's tensor at {where!r} does not fit this job: saved as {saved}, "
-                                     f"this job expects {wanted}.")
-            return held
+            if saved == wanted:
+                return held
+            if pieces is not None:
+                return _joined(wanted, expected.data, pieces, where)
+            raise LayoutMismatch(f"the snapshot's tensor at {where!r} does not fit this job: saved as {saved}, "
+                                 f"this job expects {wanted}.")
         if isinstance(expected, ShardedObject):
+            if held is _ABSENT:
+                raise LayoutMismatch(f"the snapshot lacks the state at {where!r}, which this job expects.")
             return held
         if isinstance(expected, LocalNonpersistentObject):
             return expected.unwrap()
+        if held is _ABSENT:  # beyond the end of a snapshot's list: only sharded pieces to join
+            if isinstance(expected, dict):
+                return {k: walk(v, _ABSENT, path + (k,)) for k, v in expected.items()}
+            if isinstance(expected, (list, tuple)):
+                return type(expected)(walk(v, _ABSENT, path + (i,)) for i, v in enumerate(expected))
+            return expected
         if isinstance(expected, dict):
             # As megatron-core's load: the saved plain (non-sharded) entries are taken as
             # saved; every sharded entry the job expects must be there.
@@ -107,9 +169,11 @@ def from_snapshot(template: Any, data: Any, places: dict[str, Place]) -> Any:
                                      f"which this job expects.")
             return {k: walk(expected[k], v, path + (k,)) if k in expected else v for k, v in held.items()}
         if isinstance(expected, (list, tuple)):
-            if not isinstance(held, (list, tuple)) or len(held) != len(expected):
+            # Joining pieces, a DP change may split a list (a bucket's pieces) otherwise.
+            if not isinstance(held, (list, tuple)) or (len(held) != len(expected) and pieces is None):
                 raise LayoutMismatch(f"the snapshot's state at {where!r} has another length than this job expects.")
-            return type(expected)(walk(v, h, path + (i,)) for i, (v, h) in enumerate(zip(expected, held)))
+            return type(expected)(walk(v, held[i] if i < len(held) else _ABSENT, path + (i,))
+                                  for i, v in enumerate(expected))
         return held
 
     return apply_factory_merges(walk(template, data, ()), factories)
@@ -153,16 +217,13 @@ def replicated_paths(places: dict[str, Place], dp_group) -> set[str]:
     return {path for path, place in places.items() if all(other.get(path) == place for other in everyone)}
 
 
-def tensors_at(data: Any, paths: Optional[set[str]]) -> list[torch.Tensor]:
-    """The tensors of a snapshot tree (from :func:`to_snapshot`) at ``paths`` (all if None)."""
-    if paths is not None and not paths:
-        return []  # at every save of a job without DP replicas: no walk
-    found = []
+def _tensors_by_path(data: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a snapshot tree (from :func:`to_snapshot`) by path."""
+    found = {}
 
     def walk(node, path):
         if isinstance(node, torch.Tensor):
-            if paths is None or _path(path) in paths:
-                found.append(node)
+            found[_path(path)] = node
         elif isinstance(node, dict):
             for k, v in node.items():
                 walk(v, path + (k,))
@@ -172,3 +233,10 @@ def tensors_at(data: Any, paths: Optional[set[str]]) -> list[torch.Tensor]:
 
     walk(data, ())
     return found
+
+
+def tensors_at(data: Any, paths: Optional[set[str]]) -> list[torch.Tensor]:
+    """The tensors of a snapshot tree (from :func:`to_snapshot`) at ``paths`` (all if None)."""
+    if paths is not None and not paths:
+        return []  # at every save of a job without DP replicas: no walk
+    return [t for path, t in _tensors_by_path(data).items() if paths is None or path in paths]

@@ -164,26 +164,49 @@ def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatr
     assert old not in jobs.list_jobs(shm_dir)
 
 
-def test_a_relaunch_at_another_dp_size_with_the_distributed_optimizer_is_refused_with_the_reason(shm_dir, tmp_path):
-    """DP 4 -> DP 2 with the distributed optimizer, whose state is split across the DP
-    replicas: ftmem does not reshard it from another world's memory, and says so on every
-    rank; the old job's memory stays as it was."""
-    job = MegatronJob(4, ["--use-distributed-optimizer"],
-                      ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "3", "--ftmem-ec-m", "1"], shm_dir,
-                      str(tmp_path / "run"))
-    job.job = ""
-    job.args[job.args.index("--micro-batch-size") + 1] = "1"  # a global batch of 4 over 4 replicas
-    stopped_after(job, 4)
-    [old] = jobs.list_jobs(shm_dir)
-    held = jobs.status(shm_dir, old)
-    job.args[-4:] = ["--ftmem-ec-k", "1", "--ftmem-ec-m", "1"]
-    job.world = 2
-    assert job.start().wait(TIMEOUT) == [1, 1]
+def test_a_relaunch_at_another_dp_size_with_the_distributed_optimizer_joins_its_split_state_as_megatron_loads_it(
+        shm_dir, tmp_path):
+    """DP 4 -> DP 2 with the distributed optimizer, whose state each DP rank holds a range
+    of: DP 4 on 4 virtual nodes (k=3, m=1) stops after iteration 3 and is killed, and ftmem's
+    job loses node 1. A first relaunch on 2 ranks that also changes the TP size is refused
+    on every rank with the reason, and leaves the old job's memory as it was. The relaunch at
+    DP 2 adopts the old version: each new rank receives the old DP group's data (rank 1's
+    rebuilt from parity) and joins its own ranges of the optimizer's buckets by key and
+    offset, where the reference (no ftmem) loads Megatron's torch-format files of iteration
+    3 (``distrib_optim.pt`` scattered to the new DP ranks). Training then goes on bitwise
+    alike."""
+    outs = {}
+    for name, stock in (("reference", True), ("ftmem", False)):
+        job = MegatronJob(4, ["--use-distributed-optimizer"],
+                          ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "3", "--ftmem-ec-m", "1"], shm_dir,
+                          str(tmp_path / name), stock=stock)
+        job.job = ""  # derived from the save dir and the world
+        job.args[job.args.index("--micro-batch-size") + 1] = "1"  # a global batch of 4 over 4 replicas
+        if stock:
+            job.args[job.args.index("--save-interval") + 1] = "1"
+        stopped_after(job, 4)
+        job.world = 2
+        if not stock:
+            [old] = jobs.list_jobs(shm_dir)
+            jobs.lose_node(shm_dir, old, 1)
+            held = jobs.status(shm_dir, old)
+            job.args[-4:] = ["--ftmem-ec-k", "1", "--ftmem-ec-m", "1"]  # 2 nodes now
+            assert job.start("--tensor-model-parallel-size", "2").wait(TIMEOUT) == [1, 1]
+            for rank in range(2):
+                assert ("ftmem cannot resume from them: it resumes Megatron from another world's memory only where "
+                        "the DP size alone changed (tp_size 1 -> 2)") in job.log(rank), job.log(rank)[-3000:]
+                assert f"free them first: ftmem clean --job {old}" in job.log(rank)
+            assert jobs.status(shm_dir, old) == held
+        job.run(str(tmp_path / f"{name}.json"))
+        outs[name] = read_out(str(tmp_path / f"{name}.json"))
     for rank in range(2):
-        assert ("ftmem cannot resume from them: it resumes Megatron from another world's memory only without the "
-                "distributed optimizer") in job.log(rank), job.log(rank)[-3000:]
-        assert f"free them first: ftmem clean --job {old}" in job.log(rank)
-    assert jobs.status(shm_dir, old) == held
+        assert logged(restored_from_memory(STOP, rank, f"saved by job {old} on 4 ranks (4 nodes of 1), its rank(s) "
+                                                       f"[1] rebuilt from parity"), job.log(rank)), job.log(rank)[-3000:]
+        assert (f"rank {rank}: takes old rank(s) [0, 1, 2, 3]'s state of job {old}'s version {STOP} (the data of 3 "
+                f"of its 4 old ranks received, 1 rebuilt)") in job.log(rank)
+    assert outs["ftmem"]["losses"] == outs["reference"]["losses"]
+    assert outs["ftmem"]["digests"] == outs["reference"]["digests"]
+    assert old not in jobs.list_jobs(shm_dir)
 
 
 def test_restore_under_another_layout_is_refused_unless_disk_fallback_is_allowed(shm_dir, tmp_path):
