@@ -13,15 +13,16 @@ ZeRO loader reads every old rank's files), the new job resumes from that memory:
    chooses one (:func:`ftmem.protect.plan_recovery`, under the old topology): the newest
    that every old rank holds or can rebuild from its old column's parity;
 3. each reader checks its old ranks' bytes against their checksums (a damaged copy
-   counts as lost, and the version is chosen again) and broadcasts them, with the
-   parity of columns that lost a member, to every new rank over the job's gloo group:
-   the bytes of the old ranks some new rank loads (:class:`OtherWorlds`), of their DP
-   replicas (a DP-sharded rank's replicated bytes lie across them), and of the columns
-   of those among them that were lost;
-4. every new rank decodes the lost old ranks' data (checked against the checksum its
-   writer took), joins each old DP group's replicated slices, and so holds the state of
-   each old rank it loads: every one for DeepSpeed (its elastic loader reads every old
-   rank's files), one for Megatron.
+   counts as lost, and the version is chosen again) and sends them, point to point over
+   the job's gloo group, to the new ranks that need them: a new rank needs the bytes of
+   the old ranks it loads (:class:`OtherWorlds`), of their DP replicas (a DP-sharded
+   rank's replicated bytes lie across them), and, where one of those was lost, its
+   column's data and parity;
+4. every new rank decodes the lost old ranks it needs (checked against the checksum
+   their writer took), joins their old DP groups' replicated slices, and so holds the
+   state of each old rank it loads: every one for DeepSpeed (its elastic loader reads
+   every old rank's files), one for Megatron (its place's old DP group with the
+   distributed optimizer).
 
 The old job's memory is the only copy of the version until the new job protects one of
 its own; only then is it freed (:meth:`Adopted.free`), each reader its own old nodes.
@@ -209,24 +210,36 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
         raise LayoutMismatch(refusal)
     loads = other_worlds.loads(layout)
     mine = set(range(world) if loads is None else loads)
-    loaded = set().union(*gather_objects(mine, group))  # by some new rank
+    loaded_by = gather_objects(mine, group)  # each new rank's
     # A DP-sharded rank's replicated bytes lie across its DP replicas (a job shards all or none).
     sharded = any(record.plan.shard is not None for held in commits.values() for record in held.values())
-    needed = {q for r in loaded for q in (layout.dp_group_of(r) if sharded else [r])}
+
+    def needed_for(loaded: set[int]) -> set[int]:
+        return {q for r in loaded for q in (layout.dp_group_of(r) if sharded else [r])}
+
     topology = Topology(world, per_node, _old_groups(world // per_node, parities))
-    chosen, lost, read = _choose(topology, stores, commits, parities, group, old, needed)
-    moved, columns = _to_move(topology, lost, needed)
-    data = _broadcast(sorted(r for r in moved if chosen in commits.get(r, {})), DATA, read, readers, per_node,
-                      group, lambda r: commits[r][chosen].plan.nbytes)
-    holders = sorted(r for r in range(world) if chosen in parities.get(r, {}) and r not in lost
-                     and topology.column_of(r) in columns)
-    parity = _broadcast(holders, PARITY, read, readers, per_node, group,
-                        lambda r: parities[r][chosen].piece_size * len(parities[r][chosen].checksums))
+    chosen, lost, read = _choose(topology, stores, commits, parities, group, old, needed_for(set().union(*loaded_by)))
+    wants = [_wanted(topology, lost, needed_for(loaded), chosen, commits, parities) for loaded in loaded_by]
+
+    def nbytes(r: int, kind: str) -> int:
+        held = parities[r][chosen]
+        return commits[r][chosen].plan.nbytes if kind == DATA else held.piece_size * len(held.checksums)
+
+    held = _exchange(wants, rank, read, lambda r: readers[r // per_node], group, nbytes)
     del read
+    data = {r: buffer for (r, kind), buffer in held.items() if kind == DATA}
+    parity = {r: buffer for (r, kind), buffer in held.items() if kind == PARITY}
     records, received = {r: commits[r][chosen] for r in data}, len(data)
-    rebuilt = sorted(r for r in lost if r in needed)
-    for r in rebuilt:
-        records[r], data[r] = _rebuild(topology, r, chosen, data, parity, parities, old)
+    rebuilt_here = sorted(r for r in lost if r in needed_for(mine))
+    try:
+        for r in rebuilt_here:
+            records[r], data[r] = _rebuild(topology, r, chosen, data, parity, parities, old)
+        problem = None
+    except NotRecoverableFromMemory as e:
+        problem = str(e)
+    problem = next((p for p in gather_objects(problem, group) if p), None)  # each rank rebuilds its own
+    if problem is not None:
+        raise NotRecoverableFromMemory(problem)
     streams: dict[tuple, torch.Tensor] = {}
 
     def stream_of(r: int) -> torch.Tensor:  # the replicated stream of r's old DP group, joined once
@@ -240,7 +253,8 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
               for r in range(world)]
     if loads is not None:
         rank_info(rank, "takes old rank(s) %s's state of job %s's version %d (the data of %d of its %d old ranks "
-                  "received, %d rebuilt)", sorted(mine), old, chosen, received, world, len(rebuilt))
+                  "received, %d rebuilt)", sorted(mine), old, chosen, received, world, len(rebuilt_here))
+    rebuilt = sorted(r for r in lost if r in needed_for(set().union(*loaded_by)))  # by some new rank
     return Adopted(job=old, version=chosen, world=world_in_words(world, per_node), layout=layout, states=states,
                    rebuilt=rebuilt, read_here=sorted(read_here.values()))
 
@@ -284,6 +298,16 @@ def _to_move(topology: Topology, lost: list[int], needed: set[int]) -> tuple[set
     ``needed`` ranks' data and, where one of them was lost, its column's data and parity."""
     columns = {topology.column_of(r) for r in lost if r in needed}
     return needed | {r for r in range(topology.world_size) if topology.column_of(r) in columns}, columns
+
+
+def _wanted(topology: Topology, lost: list[int], needed: set[int], version: int, commits: dict,
+            parities: dict) -> set[tuple[int, str]]:
+    """The bytes of ``version`` (old rank, DATA or PARITY) that a new rank needing the old
+    ranks ``needed`` must hold: theirs and, for a lost one, its column's (:func:`_to_move`)."""
+    moved, columns = _to_move(topology, lost, needed)
+    return ({(r, DATA) for r in moved if version in commits.get(r, {})}
+            | {(r, PARITY) for r in range(topology.world_size) if r not in lost and topology.column_of(r) in columns
+               and version in parities.get(r, {})})
 
 
 def _choose(topology: Topology, stores: dict[int, RankStore], commits: dict, parities: dict,
@@ -338,18 +362,33 @@ def _read_checked(store: RankStore, record, kind: str) -> torch.Tensor:
     return raw
 
 
-def _broadcast(ranks: list[int], kind: str, read: dict, readers: dict[int, int], per_node: int,
-               group: Optional[dist.ProcessGroup], nbytes: Callable[[int], int]) -> dict[int, torch.Tensor]:
-    """Each of ``ranks``' bytes of ``kind``, from the new rank that read them, on every new rank."""
-    out = {}
-    for r in ranks:
-        buffer = read.get((r, kind))
-        if buffer is None:
-            buffer = torch.empty(nbytes(r), dtype=torch.uint8)
-        if group is not None and len(buffer):
-            dist.broadcast(buffer, src=readers[r // per_node], group=group)
-        out[r] = buffer
-    return out
+def _exchange(wants: list[set[tuple[int, str]]], rank: int, read: dict, reader: Callable[[int], int],
+              group: Optional[dist.ProcessGroup], nbytes: Callable[[int, str], int]) -> dict[tuple[int, str], torch.Tensor]:
+    """The bytes this new rank wants (``wants[rank]``), each from the new rank that read it
+    (``reader(old rank)``; in ``read`` where this rank did), point to point: each reader sends
+    what it read to the ranks that want it, and nothing else moves (collective over ``group``)."""
+    held, transfers = {}, []
+
+    def peer(new_rank: int) -> int:
+        return dist.get_global_rank(group, new_rank)
+
+    def tag(key: tuple[int, str]) -> int:  # one per old rank and kind: the bytes of a pair arrive in any order
+        return 2 * key[0] + (key[1] == PARITY)
+
+    for key in sorted(wants[rank]):
+        if key in read:
+            held[key] = read[key]
+            continue
+        held[key] = torch.empty(nbytes(*key), dtype=torch.uint8)
+        if len(held[key]):
+            transfers.append(dist.irecv(held[key], src=peer(reader(key[0])), group=group, tag=tag(key)))
+    for other, wanted in enumerate(wants):
+        for key in sorted(wanted & read.keys() if other != rank else ()):
+            if len(read[key]):
+                transfers.append(dist.isend(read[key], dst=peer(other), group=group, tag=tag(key)))
+    for transfer in transfers:
+        transfer.wait()
+    return held
 
 
 def _rebuild(topology: Topology, r: int, version: int, data: dict[int, torch.Tensor], parity: dict[int, torch.Tensor],

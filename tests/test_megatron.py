@@ -119,12 +119,15 @@ def stopped_after(job: "MegatronJob", world: int) -> None:
         run.kill_all()
 
 
+# received: the old ranks' data each new rank holds. DP-sharded, new rank R takes old rank
+# R, whose replicated bytes lie across it and old rank R + 2; old rank 0 lost, new rank 0
+# also needs the rest of its column (old ranks 1, 2, 3) and their parity to rebuild it.
 @pytest.mark.parametrize("lost, dp_shard, received, rebuilt", [
-    ([0], "auto", 3, [0]), ([], "auto", 4, []),
-    # Without DP sharding each old rank holds its whole state: only the two taken move.
+    ([0], "auto", [3, 2], [0]), ([], "auto", [2, 2], []),
+    # Without DP sharding each old rank holds its whole state: a new rank needs its own.
     # Nodes 2 and 3 (DP replica 1, which no new rank takes) lost: more than m=1, yet
     # nothing the relaunch loads is lost, so nothing is rebuilt.
-    ([2, 3], "off", 2, [])], ids=["a node lost", "shrunk", "a replica's nodes lost, no DP sharding"])
+    ([2, 3], "off", [1, 1], [])], ids=["a node lost", "shrunk", "a replica's nodes lost, no DP sharding"])
 def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatron_loads_its_files(
         lost, dp_shard, received, rebuilt, shm_dir, tmp_path):
     """TP 2 x DP 2 on 4 virtual nodes (k=3, m=1) stops after iteration 3 and is killed;
@@ -133,7 +136,7 @@ def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatr
     from the new world: ftmem's relaunch adopts the old world's version from memory, where
     the reference (no ftmem) loads Megatron's torch-format files of iteration 3 (each rank
     its TP rank's file, which DP replica 0 wrote). Each new rank receives only the old bytes
-    its state is made of. Training then goes on bitwise alike, and the old job's memory is
+    its state is made of (and those it rebuilds it from). Training then goes on bitwise alike, and the old job's memory is
     freed once the relaunch protects a version of its own."""
     outs = {}
     for name, stock in (("reference", True), ("ftmem", False)):
@@ -157,7 +160,7 @@ def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatr
         assert logged(restored_from_memory(STOP, rank, f"saved by job {old} on 4 ranks (4 nodes of 1){said}"),
                       job.log(rank)), job.log(rank)[-3000:]
         assert (f"rank {rank}: takes old rank(s) [{rank}]'s state of job {old}'s version {STOP} (the data of "
-                f"{received} of its 4 old ranks received, {len(rebuilt)} rebuilt)") in job.log(rank)
+                f"{received[rank]} of its 4 old ranks received, {len(set(rebuilt) & {rank})} rebuilt)") in job.log(rank)
     assert outs["ftmem"]["losses"] == outs["reference"]["losses"]
     assert outs["ftmem"]["digests"] == outs["reference"]["digests"]
     assert f"freed job {old}'s memory" in job.log(0)
