@@ -121,13 +121,7 @@ def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_nam
     for a version it saved itself with another layout, before any byte moves.
     NotRecoverableFromMemory where no job can give a version back."""
     rank = dist.get_rank() if group is not None else 0
-    here = other_jobs_of_origin(identity)
-    seen = gather_objects({job: {node: (len(node_ranks(path)), _head(path, identity.origin))
-                                 for node, path in dirs.items()} for job, dirs in here.items()}, group)
-    heads: dict[str, tuple] = {}  # job -> (its newest version, that version's lineage)
-    for held in seen:
-        for job, nodes in held.items():
-            heads[job] = max([heads.get(job, (-1, None)), *(head for _, head in nodes.values())], key=lambda h: h[0])
+    here, seen, heads = _other_jobs(identity, group)
     if not heads:
         raise NotRecoverableFromMemory("the other jobs' memory went away before it could be read (ftmem clean?).")
     line, problems = line_of_jobs(heads), []
@@ -141,6 +135,44 @@ def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_nam
         adopted.superseded = {job: sorted(_read_by(rank, job, seen, here).values()) for job in line[i + 1:]}
         return adopted
     raise NotRecoverableFromMemory(" ".join(problems))
+
+
+def free_ancestors(identity: RankIdentity, group: Optional[dist.ProcessGroup], lineage: Optional[tuple[str, int]],
+                   version: int) -> None:
+    """This job resumed its own ``version``, of a line adopted from ``lineage`` (job,
+    version; None: a line of its own, and nothing to do): free that job, and the jobs it
+    descends from, where the origin's memory still holds them (collective where there is a
+    lineage, which is the version's, the same on every rank; each old node is freed by the
+    lowest rank that sees it). A relaunch that adopted a version and was killed before it
+    freed them (:meth:`Adopted.free`), restarted in its own world, would otherwise leave them
+    held until ``ftmem clean``, though nothing would read them again: a restart of this job
+    restores its own memory, never theirs, and a relaunch on another world adopts from the
+    newest job of the line. Other jobs of the origin are left alone."""
+    if lineage is None:
+        return
+    rank = dist.get_rank() if group is not None else 0
+    here, seen, heads = _other_jobs(identity, group)
+    job, adopted_version, freed = *lineage, set()
+    while job in heads and job not in freed:
+        freed.add(job)
+        _free_nodes(identity.shm_dir, job, sorted(_read_by(rank, job, seen, here).values()),
+                    f"this job's line descends from its version {adopted_version}, and this job resumed its own "
+                    f"version {version}")
+        job, adopted_version = heads[job][1] or (None, None)
+
+
+def _other_jobs(identity: RankIdentity, group: Optional[dist.ProcessGroup]) -> tuple[dict, list, dict]:
+    """The other jobs of this job's origin in memory (collective): the node directories this
+    rank sees ({job: {node: path}}), what every rank sees ({job: {node: (ranks, head)}}, by
+    rank) and each job's head ({job: (its newest version, that version's lineage)})."""
+    here = other_jobs_of_origin(identity)
+    seen = gather_objects({job: {node: (len(node_ranks(path)), _head(path, identity.origin))
+                                 for node, path in dirs.items()} for job, dirs in here.items()}, group)
+    heads: dict[str, tuple] = {}
+    for held in seen:
+        for job, nodes in held.items():
+            heads[job] = max([heads.get(job, (-1, None)), *(head for _, head in nodes.values())], key=lambda h: h[0])
+    return here, seen, heads
 
 
 def line_of_jobs(heads: dict[str, tuple[int, Optional[tuple[str, int]]]]) -> list[str]:

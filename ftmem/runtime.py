@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import testhooks
 from .config import FtmemConfig
 from .destinations import RestoreTargets
-from .elastic import Adopted, OtherWorlds, adopt
+from .elastic import Adopted, OtherWorlds, adopt, free_ancestors
 from .engine import SnapshotEngine
 from .errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from .format import FrameworkFormat
@@ -197,6 +197,7 @@ class AdapterRuntime:
         self.engine.protected, self.engine.lineage = restored.version, restored.lineage
         self.last_restore = restored.times
         announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
+        free_ancestors(self.engine.identity, self.engine.job_group, restored.lineage, restored.version)
 
     def resumed_by_adoption(self, adopted: Adopted, detail: str = "", rng: Any = None) -> None:
         """The adapter loaded ``adopted`` into the framework: put back ``rng`` (the RNG of the old

@@ -356,7 +356,7 @@ def test_a_relaunch_on_fewer_nodes_adopts_the_newest_version_the_old_world_can_g
     assert new != old and held(shm_dir, new) == {0: [3, 4], 1: [3, 4]}
 
 
-@pytest.mark.parametrize("second", ["whole", "lost beyond repair"])
+@pytest.mark.parametrize("second", ["whole", "lost beyond repair", "restarted in its own world"])
 def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_version_either_job_gives_back(
         second, shm_dir, tmp_path):
     """Job A (3 ranks on 3 nodes) saves steps 1-3 and fails; its node 0 is lost. The relaunch
@@ -365,7 +365,9 @@ def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_
     origin in memory. It adopts B's version 4, the newest; A, holding nothing newer, goes
     with B once C protects a version of its own. Where B's version 4 cannot be rebuilt (its
     node 0 lost and a byte of its node 1's copy flipped), C adopts A's version 3 (its rank 0
-    rebuilt from parity), and keeps B, whose version 4 is newer than anything C holds."""
+    rebuilt from parity), and keeps B, whose version 4 is newer than anything C holds. Where
+    B is restarted in its own world instead, it resumes its own version 4 and frees A, which
+    its line descends from."""
     derived = {"SHM_DIR": shm_dir, "FTMEM_JOB_ID": ""}
     first = LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "3", "--end", "exit1"], 3, None,
                      str(tmp_path / "a"), env=derived)
@@ -379,6 +381,16 @@ def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_
         b_run.kill_all()
     [b] = [job for job in jobs.list_jobs(shm_dir) if job != a]
     assert held(shm_dir, a) == {1: [2, 3], 2: [2, 3]} and held(shm_dir, b) == {0: [4], 1: [4]}
+    if second == "restarted in its own world":
+        again = LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "6", "--other-worlds"], 2, None,
+                         str(tmp_path / "b again"), env=derived)
+        assert again.wait(TIMEOUT) == [0, 0], again.log(0)[-3000:]
+        for rank in range(2):
+            assert logged(restored_from_memory(4, rank), again.log(rank)), again.log(rank)[-3000:]
+        assert jobs.list_jobs(shm_dir) == [b] and held(shm_dir, b) == {0: [5, 6], 1: [5, 6]}
+        assert (f"freed job {a}'s memory on nodes ['node1', 'node2']: this job's line descends from its version 3, "
+                f"and this job resumed its own version 4") in again.log(0)
+        return
     if second == "lost beyond repair":
         jobs.lose_node(shm_dir, b, 0)
         store = RankStore(os.path.join(job_root(shm_dir, b), "node1"), 1)
