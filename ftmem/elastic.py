@@ -250,12 +250,14 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
         return {q for r in loaded for q in (layout.dp_group_of(r) if sharded else [r])}
 
     topology = Topology(world, per_node, _old_groups(world // per_node, parities))
-    chosen, lost, read = _choose(topology, stores, commits, parities, group, old, needed_for(set().union(*loaded_by)))
+    needed = needed_for(set().union(*loaded_by))  # by some new rank
+    chosen, lost, read = _choose(topology, stores, commits, parities, group, old, needed)
     wants = [_wanted(topology, lost, needed_for(loaded), chosen, commits, parities) for loaded in loaded_by]
 
-    def nbytes(r: int, kind: str) -> int:
-        held = parities[r][chosen]
-        return commits[r][chosen].plan.nbytes if kind == DATA else held.piece_size * len(held.checksums)
+    def nbytes(r: int, kind: str) -> int:  # a rank may hold no parity (no EC group, or its parity damaged)
+        if kind == DATA:
+            return commits[r][chosen].plan.nbytes
+        return parities[r][chosen].piece_size * len(parities[r][chosen].checksums)
 
     held = _exchange(wants, rank, read, lambda r: readers[r // per_node], group, nbytes)
     del read
@@ -263,12 +265,14 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
     parity = {r: buffer for (r, kind), buffer in held.items() if kind == PARITY}
     records, received = {r: commits[r][chosen] for r in data}, len(data)
     rebuilt_here = sorted(r for r in lost if r in needed_for(mine))
+    problem = None
     try:
         for r in rebuilt_here:
             records[r], data[r] = _rebuild(topology, r, chosen, data, parity, parities, old)
-        problem = None
     except NotRecoverableFromMemory as e:
         problem = str(e)
+    except Exception as e:  # any failure: the other ranks wait in the gather below for this one's verdict
+        problem = f"job {old}'s lost ranks could not be rebuilt ({type(e).__name__}: {e})."
     problem = next((p for p in gather_objects(problem, group) if p), None)  # each rank rebuilds its own
     if problem is not None:
         raise NotRecoverableFromMemory(problem)
@@ -286,9 +290,8 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
     if loads is not None:
         rank_info(rank, "takes old rank(s) %s's state of job %s's version %d (the data of %d of its %d old ranks "
                   "received, %d rebuilt)", sorted(mine), old, chosen, received, world, len(rebuilt_here))
-    rebuilt = sorted(r for r in lost if r in needed_for(set().union(*loaded_by)))  # by some new rank
     return Adopted(job=old, version=chosen, world=world_in_words(world, per_node), layout=layout, states=states,
-                   rebuilt=rebuilt, read_here=sorted(read_here.values()))
+                   rebuilt=sorted(r for r in lost if r in needed), read_here=sorted(read_here.values()))
 
 
 def _records_of(stores: dict[int, RankStore], origin: str,

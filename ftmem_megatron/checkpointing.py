@@ -306,6 +306,9 @@ class MegatronCheckpointer:
             return (f"it resumes Megatron from another world's memory only where the DP size alone changed "
                     f"({'; '.join(changed)}): the model's tensors would have to be split otherwise, which is not "
                     f"built")
+        if saved.ep_size > 1:
+            return ("it resumes Megatron from another world's memory only without expert parallelism: the DP replicas "
+                    "of a place then hold other experts, and taking or joining theirs is not built")
         if saved.zero_stage != now.zero_stage:
             return (f"the version was saved {'with' if saved.zero_stage else 'without'} the distributed optimizer, "
                     f"and this job runs {'with' if now.zero_stage else 'without'} it")

@@ -42,15 +42,17 @@ class Place:
     key: str
     global_shape: tuple
     global_offset: tuple
-    local_shape: tuple  # two pieces at one offset differ in length where the DP size split them otherwise
     flattened_range: Optional[tuple]
     dtype: str
+    # Two pieces at one offset differ in length where the DP size split them otherwise. (A
+    # place an older ftmem pickled has none: () compares unequal, a LayoutMismatch.)
+    local_shape: tuple = ()
 
     @classmethod
     def of(cls, sharded: ShardedTensor) -> "Place":
         flat = sharded.flattened_range
-        return cls(sharded.key, tuple(sharded.global_shape), tuple(sharded.global_offset), tuple(sharded.local_shape),
-                   None if flat is None else (flat.start, flat.stop), str(sharded.dtype))
+        return cls(sharded.key, tuple(sharded.global_shape), tuple(sharded.global_offset),
+                   None if flat is None else (flat.start, flat.stop), str(sharded.dtype), tuple(sharded.local_shape))
 
 
 def _path(path: tuple) -> str:
@@ -81,7 +83,7 @@ def to_snapshot(sharded_state: Any) -> tuple[Any, dict[str, Place]]:
     return walk(sharded_state, ()), places
 
 
-# A global tensor's pieces by offset, as several ranks saved them: {key: {offset: (place, data)}}.
+# A global tensor's pieces, as several ranks saved them: {key: {(offset, shape): (place, data)}}.
 Pieces = dict[str, dict[tuple, tuple[Place, torch.Tensor]]]
 # Where a template's list is longer than the snapshot's (other pieces after a DP change).
 _ABSENT = object()
@@ -96,7 +98,7 @@ def pieces_by_key(snapshots: list[tuple[Any, dict[str, Place]]]) -> Pieces:
         for path, tensor in _tensors_by_path(data).items():
             place = places.get(path)
             if place is not None and place.flattened_range is None:
-                found.setdefault(place.key, {}).setdefault(place.global_offset, (place, tensor))
+                found.setdefault(place.key, {}).setdefault((place.global_offset, place.local_shape), (place, tensor))
     return found
 
 
@@ -109,18 +111,21 @@ def _joined(wanted: Place, like: torch.Tensor, pieces: Pieces, where: str) -> to
     if wanted.flattened_range is not None:
         raise mismatch("it is saved at another place, and a flattened range is not joined from other pieces")
     joined, shape = torch.empty_like(like), like.shape
-    covered = 0
+    covered = torch.zeros(shape, dtype=torch.bool)  # each element written once, by exactly one piece
     for place, data in pieces.get(wanted.key, {}).values():
         if (place.global_shape, place.dtype) != (wanted.global_shape, wanted.dtype):
             raise mismatch(f"its key {wanted.key!r} was saved as {place}")
         low = [max(a, b) for a, b in zip(wanted.global_offset, place.global_offset)]
         high = [min(a + n, b + m) for a, n, b, m in zip(wanted.global_offset, shape, place.global_offset, data.shape)]
         if all(lo < hi for lo, hi in zip(low, high)):
-            joined[tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, wanted.global_offset))] = \
-                data[tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, place.global_offset))]
-            covered += torch.Size([hi - lo for lo, hi in zip(low, high)]).numel()
-    if covered != joined.numel():
-        raise mismatch(f"the old ranks' pieces of {wanted.key!r} cover {covered} of its {joined.numel()} elements")
+            here = tuple(slice(lo - a, hi - a) for lo, hi, a in zip(low, high, wanted.global_offset))
+            if covered[here].any():
+                raise mismatch(f"the old ranks' pieces of {wanted.key!r} overlap")
+            joined[here] = data[tuple(slice(lo - b, hi - b) for lo, hi, b in zip(low, high, place.global_offset))]
+            covered[here] = True
+    if not covered.all():
+        raise mismatch(f"the old ranks' pieces of {wanted.key!r} cover {int(covered.sum())} of its "
+                       f"{covered.numel()} elements")
     return joined
 
 
@@ -169,8 +174,9 @@ def from_snapshot(template: Any, data: Any, places: dict[str, Place], pieces: Op
                                      f"which this job expects.")
             return {k: walk(expected[k], v, path + (k,)) if k in expected else v for k, v in held.items()}
         if isinstance(expected, (list, tuple)):
-            # Joining pieces, a DP change may split a list (a bucket's pieces) otherwise.
-            if not isinstance(held, (list, tuple)) or (len(held) != len(expected) and pieces is None):
+            # Joining pieces, a DP change may split a list of sharded pieces (a bucket's) otherwise.
+            resplit = pieces is not None and all(_holds_sharded(v) for v in expected)
+            if not isinstance(held, (list, tuple)) or (len(held) != len(expected) and not resplit):
                 raise LayoutMismatch(f"the snapshot's state at {where!r} has another length than this job expects.")
             return type(expected)(walk(v, held[i] if i < len(held) else _ABSENT, path + (i,))
                                   for i, v in enumerate(expected))

@@ -356,6 +356,28 @@ def test_a_relaunch_on_fewer_nodes_adopts_the_newest_version_the_old_world_can_g
     assert new != old and held(shm_dir, new) == {0: [3, 4], 1: [3, 4]}
 
 
+def test_a_relaunch_adopts_a_version_whose_data_is_whole_though_a_parity_record_is_damaged(shm_dir, tmp_path):
+    """3 ranks on 3 nodes (one EC group, m=1) save steps 1-3 and fail; a byte of node 1's
+    parity marker of version 3 is flipped (that parity counts as lost), no node lost. The
+    relaunch on 2 ranks adopts version 3, whose data every old rank holds intact. Each old
+    node is read by new rank 0, which sees them all, and sent to new rank 1: the old rank
+    without parity moves its data all the same."""
+    derived = {"SHM_DIR": shm_dir, "FTMEM_JOB_ID": ""}
+    first = LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "3", "--end", "exit1"], 3, None,
+                     str(tmp_path / "first"), env=derived)
+    assert first.wait(TIMEOUT) == [1, 1, 1], first.log(0)
+    [old] = jobs.list_jobs(shm_dir)
+    store = RankStore(os.path.join(job_root(shm_dir, old), "node1"), 1)
+    flip_byte(store.parity_marker_path(3, store.parity_held()[3]), 5)
+    back = LocalJob("tests.lifecycle_job", ["--out", str(tmp_path), "--steps", "4", "--other-worlds"], 2, None,
+                    str(tmp_path / "back"), env=derived)
+    assert back.wait(TIMEOUT) == [0, 0], back.log(0)[-3000:] + back.log(1)[-3000:]
+    for rank in range(2):
+        log = back.log(rank)
+        assert logged(restored_from_memory(3, rank, f"saved by job {old} on 3 ranks (3 nodes of 1)"), log), log[-3000:]
+        assert f"rank {rank}: adopted version 3 of 3 old ranks: w = [3.0]" in log
+
+
 @pytest.mark.parametrize("second", ["whole", "lost beyond repair", "restarted in its own world"])
 def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_version_either_job_gives_back(
         second, shm_dir, tmp_path):
