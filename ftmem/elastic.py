@@ -418,7 +418,9 @@ def _exchange(wants: list[set[tuple[int, str]]], rank: int, read: dict, reader: 
         if len(held[key]):
             transfers.append(dist.irecv(held[key], src=peer(reader(key[0])), group=group, tag=tag(key)))
     for other, wanted in enumerate(wants):
-        for key in sorted(wanted & read.keys() if other != rank else ()):
+        if other == rank:
+            continue
+        for key in sorted(wanted & read.keys()):
             if len(read[key]):
                 transfers.append(dist.isend(read[key], dst=peer(other), group=group, tag=tag(key)))
     for transfer in transfers:
