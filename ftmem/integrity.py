@@ -2,9 +2,10 @@
 
 The rank's copy thread checksums the slot bytes of a version right after copying them
 (:func:`ftmem.checksum.data_checksum`), before the commit marker exists, and keeps the
-checksum in the commit record; each parity holder checksums its pieces before writing
-the parity marker; and every marker carries a checksum of its own payload
-(:mod:`ftmem.slots`). A version therefore never counts as committed without a checksum
+checksum in the commit record; each parity holder checksums the pieces it encoded before
+writing the parity marker (a piece that copies one member's data carries that member's
+checksum, taken where the bytes were written); and every marker carries a checksum of its
+own payload (:mod:`ftmem.slots`). A version therefore never counts as committed without a checksum
 of exactly what was written, and nothing computed later from whatever bytes are there
 can bless a damaged one.
 
@@ -31,22 +32,26 @@ from .slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore
 SlotMapping = Callable[[int, str], torch.Tensor]
 
 
-def _checksums(store: RankStore, slot: int, kind: str, spans: list[tuple[int, int]], what: str,
-               digest: Callable[[memoryview], str] = checksum, mapping: Optional[SlotMapping] = None) -> list[str]:
-    """The ``digest`` of each (start, end) span of a slot file, read through ``mapping`` if
-    given, else through a mapping of its own; CorruptShard if the file is missing, empty or
-    shorter than the spans."""
+# A part of a slot file to check: (start, end, the digest its writer took of it).
+Span = tuple[int, int, Callable[[memoryview], str]]
+
+
+def _checksums(store: RankStore, slot: int, kind: str, spans: list[Span], what: str,
+               mapping: Optional[SlotMapping] = None) -> list[str]:
+    """The digest of each span of a slot file, read through ``mapping`` if given, else
+    through a mapping of its own; CorruptShard if the file is missing, empty or shorter
+    than the spans."""
     path = store.slot_path(slot, kind)
-    end = max(e for _, e in spans)
+    end = max(e for _, e, _ in spans)
     try:
         if mapping is not None:
             mapped = mapping(slot, kind).numpy()
             # A mapping made earlier in this process may outlast a truncation of its file.
             _enough(min(len(mapped), os.stat(path).st_size), end, path, what)
-            return [digest(mapped[start:stop]) for start, stop in spans]
+            return [digest(mapped[start:stop]) for start, stop, digest in spans]
         with store.map_slot(slot, writable=False, kind=kind) as mm, memoryview(mm) as whole:
             _enough(len(whole), end, path, what)
-            return [digest(whole[start:stop]) for start, stop in spans]
+            return [digest(whole[start:stop]) for start, stop, digest in spans]
     except (OSError, ValueError) as e:  # missing, or empty (mmap refuses a zero-length file)
         raise CorruptShard(f"{what}: {path} cannot be read ({e}).") from e
 
@@ -65,19 +70,29 @@ def verify(store: RankStore, version: int) -> CommitRecord:
 def check_data(store: RankStore, record: CommitRecord, mapping: Optional[SlotMapping] = None) -> CommitRecord:
     """``record`` (read from an intact marker) if the slot bytes match its checksum; CorruptShard if not."""
     what = f"rank {store.rank} version {record.version}"
-    (data,) = _checksums(store, record.slot, DATA, [(0, record.plan.nbytes)], what, data_checksum, mapping)
+    (data,) = _checksums(store, record.slot, DATA, [(0, record.plan.nbytes, data_checksum)], what, mapping)
     if data != record.checksum:
         raise CorruptShard(f"{what}: data in {store.slot_path(record.slot)} does not match its checksum.")
     return record
 
 
 def check_parity(store: RankStore, record: ParityRecord, mapping: Optional[SlotMapping] = None) -> ParityRecord:
-    """``record`` (read from an intact marker) if its pieces match their checksums; CorruptShard if not."""
+    """``record`` (read from an intact marker) if its pieces match their checksums; CorruptShard if not.
+
+    A piece that copies one member's data carries that member's data checksum, so its
+    first bytes, as many as that member's data, are checked as data; the zeros after them
+    never reach a rebuild (:func:`ftmem.protect.decode_member` cuts a member's bytes to its
+    length)."""
     what = f"rank {store.rank} version {record.version}"
     piece = record.piece_size
-    spans = [(i * piece, (i + 1) * piece) for i in range(len(record.checksums))]
-    for i, (got, expected) in enumerate(zip(_checksums(store, record.slot, PARITY, spans, what, mapping=mapping), record.checksums)):
-        if got != expected:
+    if len(record.copy_of) != len(record.checksums) or not all(-1 <= src < len(record.lengths) for src in record.copy_of):
+        raise CorruptShard(f"{what}: the parity marker does not fit itself (copies {list(record.copy_of)} for "
+                           f"{len(record.checksums)} pieces in a group of {len(record.lengths)} members).")
+    spans = [(i * piece, i * piece + record.lengths[src], data_checksum) if src >= 0
+             else (i * piece, (i + 1) * piece, checksum) for i, src in enumerate(record.copy_of)]
+    got = _checksums(store, record.slot, PARITY, spans, what, mapping)
+    for i, (digest, expected) in enumerate(zip(got, record.checksums)):
+        if digest != expected:
             raise CorruptShard(f"{what}: parity piece {i} in {store.slot_path(record.slot, PARITY)} does not match "
                                f"its checksum.")
     return record

@@ -246,9 +246,15 @@ class ColumnCoder:
                 testhooks.at("mid_exchange", record.rank, record.version)
         if in_flight is not None:
             exchange.finish(*in_flight)
-        sums = [checksum(parity[i * piece : (i + 1) * piece]) for i in range(len(exchange.held))]
+        # A piece that copies one member's data (k = 1) carries that member's own checksum: the
+        # holder does not read it again, and the check at restore then compares what the holder
+        # keeps with what the writer copied, end to end. An encoded piece is checksummed here.
+        copy_of = [g.data_members(stripe)[0] if self.codec.copies(q) else -1 for stripe, q in exchange.held]
+        sums = [records[src].checksum if src >= 0 else checksum(parity[i * piece : (i + 1) * piece])
+                for i, src in enumerate(copy_of)]
         return ParityRecord(version=record.version, slot=record.slot, k=g.k, m=g.m, nodes=g.nodes,
-                            piece_size=piece, lengths=tuple(lengths), records=tuple(records), checksums=tuple(sums))
+                            piece_size=piece, lengths=tuple(lengths), records=tuple(records), checksums=tuple(sums),
+                            copy_of=tuple(copy_of))
 
     def encode_again(self, record: CommitRecord, data: np.ndarray) -> tuple[ParityRecord, np.ndarray]:
         """This member's parity of ``record``'s version, encoded again from the column's

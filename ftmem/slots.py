@@ -51,7 +51,8 @@ _MARKER_RE = re.compile(r"^rank(\d{5})\.v(\d{12})\.s(\d)\.(commit|parity)$")
 # Bumped whenever a record's fields change meaning: a reader refuses what it does not know.
 # 2: a commit record's checksum is ftmem.checksum.data_checksum (of chunks), no longer one xxh3.
 # 3: a skeleton names each tensor by a call of ftmem.serialize.tensor_reference, no longer by a persistent id.
-RECORD_FORMAT = 3
+# 4: a parity record says which of its pieces copy one member's data (k = 1), and carries that member's checksum for them.
+RECORD_FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class ParityRecord:
     lengths: tuple[int, ...]  # data bytes of each member, by position in the group
     records: tuple[CommitRecord, ...]  # each member's commit record, by position
     checksums: tuple[str, ...]  # of the parity pieces this rank holds, in storage order
+    # Per piece: the position of the member whose data it copies (k = 1, a plain copy), whose
+    # data checksum it then carries (ftmem.integrity.check_parity), or -1 where it is encoded.
+    copy_of: tuple[int, ...]
 
 
 def ranks_in(node_dir: str) -> list[int]:

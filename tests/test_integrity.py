@@ -18,7 +18,7 @@ from ftmem.checksum import DATA_CHUNK, checksum, data_checksum
 from ftmem.procs import pid_alive
 from ftmem.slots import PARITY, RankStore
 from ftmem.smp_client import running_smp
-from trainjob import TrainJob, reference_run
+from trainjob import TIMEOUT, TrainJob, reference_run
 
 WORLD = 3
 
@@ -219,3 +219,26 @@ def test_rebuilt_data_that_misses_its_writers_checksum_is_refused_on_every_rank(
         assert "version 5 cannot be rebuilt from memory: rank 1's data rebuilt from parity does not match the " \
                "checksum its writer took" in log
         assert "restored iteration" not in log
+
+
+def test_a_parity_copy_damaged_before_its_marker_is_found_and_the_version_before_resumes(shm_dir, tmp_path):
+    """2 nodes mirrored (k=1, m=1): node 0 keeps node 1's data as its parity. A byte of it
+    changes after it arrived and before its marker is written. The marker carries node 1's
+    own checksum of those bytes, so the check finds the damage: with node 1 lost, version 5
+    cannot be rebuilt, and the job resumes from version 4, bitwise. (When the holder
+    checksummed what it had received, that blessed the damage: the job chose version 5 and
+    then refused its rebuild.)"""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    job = TrainJob(shm_dir, tmp_path / "run", world=2, ec=(1, 1))
+    hold = {0: {"FTMEM_TEST_HOOK": "mid_exchange:hold:rank=0:version=5", "FTMEM_TEST_HOOK_DIR": str(hooks)}}
+    with job.start("--stop-after", "5", rank_env=hold) as run:
+        run.wait_for((hooks / "paused.rank0.v5").exists, TIMEOUT, "rank 0 to hold mid-exchange of version 5")
+        store = RankStore(job.node_dir(0), 0)
+        flip_byte(store.slot_path(store.committed()[5], PARITY), 200)
+        (hooks / "resume.rank0.v5").touch()
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(2)), TIMEOUT, "step 5")
+    assert store.read_parity(5).copy_of == (1,)
+    job.lose_node(1)
+    job.restart_and_check(reference_run(tmp_path / "reference", 2), expect_version=4, rebuilt_ranks={1})
+    assert "rank 0 version 5: parity piece 0 in" in job.log(0) and "does not match its checksum" in job.log(0)
