@@ -8,7 +8,7 @@ DEEPSPEED_PIN ?= deepspeed==0.19.8
 # megatron-core >= 0.17 needs Python >= 3.12; 0.16.1 is the newest for 3.11.
 MEGATRON_PIN ?= megatron-core==0.16.1
 
-.PHONY: install demo test test-gpu clean-shm megatron-lm
+.PHONY: install demo test test-gpu clean-shm megatron-lm docs
 
 install: $(VENV)/.installed
 
@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	DS_BUILD_OPS=0 $(PY) -m pip install --quiet "$(TORCH_PIN)" "$(DEEPSPEED_PIN)" "$(MEGATRON_PIN)" -e ".[deepspeed,megatron,test,bench]"
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet "$(TORCH_PIN)" "$(DEEPSPEED_PIN)" "$(MEGATRON_PIN)" -e ".[deepspeed,megatron,test,bench,docs]"
 	touch $@
 
 demo: install
@@ -39,6 +39,11 @@ test: install megatron-lm
 
 clean-shm: install
 	$(VENV)/bin/ftmem clean --all
+
+# The documentation site (mkdocs.yml, docs/) into build/site; --strict fails on a broken link.
+docs: install
+	$(PY) -c "import mkdocs" 2>/dev/null || $(PY) -m pip install --quiet "mkdocs>=1.6"
+	$(PY) -m mkdocs build --strict --site-dir build/site
 
 # The GPU tests (tests/test_gpu.py, marked gpu; skipped by `make test` without CUDA) in a venv
 # of their own. It sees the system's packages: a GPU machine's image usually holds a CUDA
