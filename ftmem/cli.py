@@ -216,7 +216,7 @@ def main(argv=None) -> int:
         return p
 
     p = add("status", "what each node's SMP holds", _cmd_status)
-    p.add_argument("--json", action="store_true", help="one JSON object (DESIGN.md §5)")
+    p.add_argument("--json", action="store_true", help="one JSON object (see docs/operations.md)")
     p.add_argument("--job", type=job_id_arg, help="only this job")
     p = add("clean", "stop a job's SMPs and free its shared memory", _cmd_clean)
     p.add_argument("--job", type=job_id_arg, help="the job (default: FTMEM_JOB_ID)")

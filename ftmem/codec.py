@@ -5,7 +5,7 @@ Both codes run on ISA-L's table-driven GF(2^8) kernels, loaded from the copy tha
 pyeclib's wheel bundles (``pyeclib.libs/libisal-*.so``), called through ctypes:
 ctypes releases the GIL, and the pieces are read and written in place (no per-call
 copies or fragment headers, which is what makes pyeclib's own ``encode`` slow on
-large buffers). Work is fed in chunks that stay in cache (DESIGN.md §6).
+large buffers). Work is fed in chunks that stay in cache (see docs/design/erasure-coding.md).
 
 * m = 1: plain XOR (the parity row is all ones).
 * m >= 2: Reed-Solomon with ISA-L's Cauchy matrix, the same code as pyeclib's

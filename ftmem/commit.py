@@ -1,6 +1,6 @@
 """The commit protocol of one rank, run on its background thread while training goes on.
 
-For each save, in order (DESIGN.md §3):
+For each save, in order (see docs/design/protocols.md):
 
 1. what the slot held becomes invisible (its marker goes first), then the bytes are
    copied in; the handle becomes *reusable*;

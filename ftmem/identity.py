@@ -1,7 +1,7 @@
 """Who this process is in the job: the job's identity, its node, and where that
 node's snapshots live in shared memory.
 
-Layout of the shared-memory filesystem (DESIGN.md §5)::
+Layout of the shared-memory filesystem (see docs/design/protocols.md)::
 
     <shm_dir>/ftmem-<uid>/<job>/node<i>/     one directory per (virtual) node, owned by its SMP
 

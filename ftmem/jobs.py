@@ -61,7 +61,7 @@ def node_ranks(path: str) -> list[int]:
 
 
 def node_status(node: int, path: str) -> dict:
-    """One node's entry of ``ftmem status --json`` (DESIGN.md §5)."""
+    """One node's entry of ``ftmem status --json`` (see docs/operations.md)."""
     stores = [RankStore(path, r) for r in node_ranks(path)]
     held = [set(s.committed()) for s in stores]
     protected = [s.read_protected() for s in stores]
@@ -82,7 +82,7 @@ def status(shm_dir: str, job: Optional[str] = None) -> dict:
 
 
 def lose_node(shm_dir: str, job: str, node: int) -> None:
-    """Do to a node's snapshots what losing the node does (DESIGN.md §5): SIGKILL its
+    """Do to a node's snapshots what losing the node does (docs/operations.md): SIGKILL its
     SMP and delete its shared memory. For failure drills and tests; the node's
     training ranks are expected to be dead already."""
     for n, path in node_dirs(shm_dir, job):

@@ -1,4 +1,4 @@
-"""ftmem's one logger, and the user-facing log lines of the contract (DESIGN.md §5).
+"""ftmem's one logger, and the user-facing log lines of the contract (see docs/operations.md).
 
 Library code logs through :data:`log` (the ``ftmem`` logger), never ``print``. Unless
 the application has configured that logger itself, it gets one handler writing

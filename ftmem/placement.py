@@ -7,7 +7,7 @@ one each, round-robin. A group of size s then keeps m parity members and has
 k_g = s - m >= k data members: it still survives any m losses and its memory
 overhead m/k_g is at most the m/k the user asked for.
 
-Parity is spread over all members (RAID-5/6 style rotation, DESIGN.md §4): a member's
+Parity is spread over all members (RAID-5/6 style rotation, see docs/design/erasure-coding.md): a member's
 data is cut into k_g pieces; in stripe s = 0..n-1 the members s..s+k_g-1 (mod n)
 contribute a piece each and members s+k_g..s+n-1 (mod n) hold the stripe's m parity
 pieces. Every member so holds m pieces of parity, m/k_g of its own data volume.

@@ -1,4 +1,4 @@
-"""The ``--ftmem-*`` flags (DESIGN.md §5) and their validation together with Megatron's
+"""The ``--ftmem-*`` flags (docs/configuration.md) and their validation together with Megatron's
 ``--non-persistent-ckpt-type in_memory`` and ``--non-persistent-save-interval``.
 
 ``add_ftmem_args`` has the signature of Megatron-LM's ``extra_args_provider``; the
