@@ -23,15 +23,15 @@ demo: install
 	DS_ACCELERATOR=cpu $(PY) -m examples.deepspeed.demo
 
 # Megatron-LM 0.19.2's own training package, only to test ftmem against it on this Python
-# 3.11 (tests/megatron_lm/build_env.py says what it changes); a cluster installs Megatron-LM
+# 3.11 (tests/harness/megatron_lm/build_env.py says what it changes); a cluster installs Megatron-LM
 # as usual, on Python >= 3.12.
 MLM := .mlm
 
 megatron-lm: $(MLM)/.built
 
-$(MLM)/.built: $(VENV)/.installed tests/megatron_lm/build_env.py patches/megatron-lm-0.19.2-ftmem.patch
+$(MLM)/.built: $(VENV)/.installed tests/harness/megatron_lm/build_env.py patches/megatron-lm-0.19.2-ftmem.patch
 	mkdir -p $(MLM)
-	$(PY) tests/megatron_lm/build_env.py $(MLM)
+	$(PY) tests/harness/megatron_lm/build_env.py $(MLM)
 	touch $@
 
 test: install megatron-lm
@@ -45,7 +45,7 @@ docs: install
 	$(PY) -c "import mkdocs" 2>/dev/null || $(PY) -m pip install --quiet "mkdocs>=1.6"
 	$(PY) -m mkdocs build --strict --site-dir build/site
 
-# The GPU tests (tests/test_gpu.py, marked gpu; skipped by `make test` without CUDA) in a venv
+# The GPU tests (tests/gpu/test_gpu.py, marked gpu; skipped by `make test` without CUDA) in a venv
 # of their own. It sees the system's packages: a GPU machine's image usually holds a CUDA
 # build of torch, and nothing may be fetchable there. Where its python3 has no CUDA torch,
 # the venv gets PyPI's default Linux torch wheel, which is a CUDA build.
@@ -69,4 +69,4 @@ $(VENV_GPU)/.installed: Makefile
 	touch $@
 
 test-gpu: $(VENV_GPU)/.installed
-	PYTHONPATH=$(CURDIR) $(PY_GPU) -m pytest -q -ra -m gpu tests/test_gpu.py
+	PYTHONPATH=$(CURDIR) $(PY_GPU) -m pytest -q -ra -m gpu tests/gpu/test_gpu.py

@@ -1,6 +1,6 @@
 """Start a job's ranks as local processes, one per rank, so that single ranks can be
 SIGKILLed and the job restarted: what torchrun does, minus its restart policy, for
-``ftmem demo`` and the crash tests."""
+``ftmem demo`` and the benchmarks (the tests have their own, tests/harness/ranks.py)."""
 from __future__ import annotations
 
 import json
@@ -27,19 +27,6 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.05)
 
 
-#: every rank started here, so that a harness cut short (a test past its time limit) can end those left
-_started: list[subprocess.Popen] = []
-
-
-def kill_ranks_left_running() -> None:
-    """SIGKILL every rank started here that still runs, and reap it."""
-    for proc in _started:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    _started.clear()
-
-
 class LocalJob:
     """``world_size`` processes running ``python -m <module> <args>`` as ranks of one job."""
 
@@ -58,7 +45,6 @@ class LocalJob:
                 self.procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=proc_env,
                                                    stdout=log, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL))
-        _started.extend(self.procs)
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"rank{rank}.log")

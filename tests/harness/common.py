@@ -1,0 +1,108 @@
+"""Helpers every tier shares: test identities, private shared memory, the ``ftmem``
+command, corrupting a byte, reading contract lines, and runs kept once per session."""
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+
+from ftmem import SnapshotEngine, jobs
+from ftmem.procs import cmdline, pid_alive
+
+from . import ranks
+
+REPO = ranks.REPO  # the repository's root
+
+# Per session, so that a suite running beside another (a local run during CI) checks only its own.
+TEST_SHM_PREFIX = f"/dev/shm/ftmem-test-{uuid.uuid4().hex[:6]}-"
+
+
+def leftover_smps() -> list[int]:
+    """SMP processes of this session's shared memory that still run."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and pid_alive(int(entry)):
+            args = cmdline(int(entry))
+            if any("ftmem.smp" in a for a in args) and any(TEST_SHM_PREFIX in a for a in args):
+                pids.append(int(entry))
+    return pids
+
+
+# What each kind of uninterrupted reference run gave, by its arguments (see run_once).
+_REFERENCE_RUNS: dict = {}
+
+
+def run_once(key: tuple, run):
+    """``run()``'s result, run once per session for each ``key``. For the uninterrupted
+    reference runs that bitwise tests compare against: they are deterministic, only read
+    afterwards (their folders stay for the session), and several tests compare against the
+    same one; running each once saves minutes of the suite. A run that fails is not kept."""
+    if key not in _REFERENCE_RUNS:
+        _REFERENCE_RUNS[key] = run()
+    return _REFERENCE_RUNS[key]
+
+
+def new_shm_dir() -> str:
+    path = TEST_SHM_PREFIX + uuid.uuid4().hex[:8]
+    os.makedirs(path)
+    return path
+
+
+def free_shm_dir(path: str) -> None:
+    for job in jobs.list_jobs(path):
+        jobs.clean(path, job)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftmem.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def job_id() -> str:
+    return "t-" + uuid.uuid4().hex[:8]
+
+
+def make_engine(shm_dir, job=None, **cfg) -> SnapshotEngine:
+    """A one-rank engine on one node (with its SMP) in ``shm_dir``."""
+    return SnapshotEngine({"shm_dir": shm_dir, "job_id": job or job_id(), "ranks_per_node": 1, **cfg},
+                          rank=0, world_size=1)
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def flip_byte(path: str, offset: int) -> None:
+    """Corrupt one byte of a file in place, as a bad DIMM or a stray write would."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+class LogLines(logging.Handler):
+    """What the ``ftmem`` logger said during a test, whatever handlers the application set."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+ANY = "\x00"  # in a contract line given to logged(): any text
+
+
+def logged(line: str, text: str) -> bool:
+    """Whether ``text`` (a rank's log) holds ``line``, a contract line as ftmem.logs formats it
+    (``restored_from_memory(...)``, ``restored_from_disk(...)``), where ANY stands for any text."""
+    return re.search(".*?".join(map(re.escape, line.split(ANY))) + "$", text, re.MULTILINE) is not None

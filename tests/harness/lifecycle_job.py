@@ -1,0 +1,160 @@
+"""A job on the adapter runtime (ftmem.AdapterRuntime) for the lifecycle tests: every
+rank saves a replicated tensor per step, protected, and ends the way ``--end`` says.
+
+    python -m tests.harness.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close,hang} [--persist DIR]
+        [--persist-interval N] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
+        [--restore-into {rank-0,every-rank}] [--load-while-saving] [--other-worlds]
+
+``--end close`` closes the runtime itself, keeping the memory, before it returns; ``--end
+hang`` waits, its last version protected, for the test to SIGKILL it. With
+``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
+PyTorch asks scripts to; else an exit hook does it after ftmem's end. ``--runtimes N``
+runs N jobs side by side in each process (as a script with several DeepSpeed engines
+does), the others saving into subdirectories of ``--out``; their ids derive from those.
+``--restore-into`` names a tensor of the rank's own for the restore to write the replicated
+tensor into (``AdapterRuntime.restore(into=...)``), on rank 0 only or on every rank.
+``--load-while-saving`` loads the newest version again right after the last step's save,
+its protection still in flight (DeepSpeed's rollback mid-run does so); rank 1 first lets
+its save thread reach the job-wide agreement, so that the ranks start the load's
+collectives in different orders against their save threads' unless ftmem waits.
+``--other-worlds`` lets the restore adopt a version that a job on another world saved
+(as DeepSpeed's adapter does), and refuses a fresh start where memory could not serve.
+"""
+import argparse
+import atexit
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ftmem import (DISK, MEMORY, AdapterRuntime, FrameworkFormat, FtmemConfig, OtherWorlds, ParallelLayout,
+                   Resumption, flushed, save_atomically, write_atomically)
+
+
+class TensorFiles(FrameworkFormat):
+    """One file per rank and version: enough of a framework for the persistent tier."""
+
+    name = "test-tensor-files"
+
+    def checkpoint_name(self, version, state):
+        return f"v{version}"
+
+    def write_rank(self, state, directory, rank, first_replica, wrote):
+        save_atomically(state["w"], os.path.join(directory, f"rank{rank}.pt"))
+        wrote(state["w"].numel() * 4)
+
+    def publish(self, root, name):
+        write_atomically(os.path.join(root, "newest"), name.encode())
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def report_threads_and_end(before: int) -> None:
+    print(f"rank {os.environ['RANK']}: {before} threads before ftmem, {threads()} after its end", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--end", choices=("return", "exit1", "raise", "close", "hang"), default="return")
+    p.add_argument("--persist", default=None)
+    p.add_argument("--persist-interval", type=int, default=1)
+    p.add_argument("--destroys-group", action="store_true")
+    p.add_argument("--load-version", type=int, default=None,
+                   help="resume from this version, named (AdapterRuntime.restore_named), not the newest")
+    p.add_argument("--ranks-per-node", type=int, default=1, help="with all ranks on one node, no parity (m=0)")
+    p.add_argument("--runtimes", type=int, default=1)
+    p.add_argument("--restore-into", choices=("rank-0", "every-rank"), default=None)
+    p.add_argument("--load-while-saving", action="store_true")
+    p.add_argument("--other-worlds", action="store_true")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    # Registered before the runtime, so run after its end (atexit is last in, first out):
+    # by then ftmem's gloo threads must be gone, not left for interpreter shutdown.
+    atexit.register(report_threads_and_end, threads())
+    try:
+        train(args, world)
+    finally:
+        if args.destroys_group:
+            dist.destroy_process_group()
+
+
+def train(args, world: int) -> None:
+    one_node = args.ranks_per_node == world
+    config = FtmemConfig.from_dict({"ranks_per_node": args.ranks_per_node, "ec": {"k": 1, "m": 0 if one_node else 1},
+                                    "shm_dir": os.environ["SHM_DIR"]})
+    runtime = AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(), save_dir=args.out,
+                             persist_dir=args.persist, persist_interval=args.persist_interval if args.persist else 0)
+    others = [AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(),
+                             save_dir=os.path.join(args.out, f"runtime{i}")) for i in range(1, args.runtimes)]
+    # Where this rank reads the persistent tier's newest checkpoint: DISK_VIEW, a copy of
+    # it as a node whose file system cache is behind sees it, else the tier itself.
+    view = os.environ.get("DISK_VIEW", args.persist)
+    on_disk = flushed(view)[-1]["version"] if view and flushed(view) else None
+    own = torch.zeros(1000) if args.restore_into == "every-rank" or (args.restore_into and dist.get_rank() == 0) else None
+    resumption = (Resumption(MEMORY, restored=runtime.restore_named(args.load_version))
+                  if args.load_version is not None else
+                  runtime.restore(disk_version=on_disk, into=(lambda saved: {"w": own}) if own is not None else None,
+                                  other_worlds=OtherWorlds(refuse=lambda layout: None) if args.other_worlds else None))
+    start = 1
+    if resumption.adopted is not None:
+        adopted = resumption.adopted
+        runtime.resumed_by_adoption(adopted)
+        start = adopted.version + 1
+        values = sorted({v for state in adopted.states for v in state["w"].tolist()})
+        print(f"rank {dist.get_rank()}: adopted version {adopted.version} of {len(adopted.states)} old ranks: "
+              f"w = {values}", flush=True)
+    elif resumption.source == MEMORY:
+        runtime.resumed_from_memory(resumption.restored)
+        start = resumption.restored.version + 1
+        w = resumption.restored.state["w"]
+        print(f"rank {dist.get_rank()}: restored w = {sorted(set(w.tolist()))} x {w.numel()} into "
+              f"{'its own tensor' if w is own else 'new memory'}", flush=True)
+    elif resumption.source == DISK:  # the state of a step is the step: nothing to read
+        start = on_disk + 1
+    elif args.other_worlds:  # as an adapter does: no fresh start in place of what memory held
+        runtime.resumed_from_scratch(resumption.reason)
+    print(f"rank {dist.get_rank()}: resumes at step {start} ({resumption.source})", flush=True)
+    for step in range(start, args.steps + 1):
+        w = torch.full((1000,), float(step))  # the same on every rank: each snapshots half (DP sharding)
+        for each in [runtime, *others]:
+            each.save({"w": w}, step, replicated=lambda t: t is w)
+            if not (args.load_while_saving and step == args.steps):
+                each.wait_flushed()  # every version protected, and each interval-th on disk with --persist
+    print(f"rank {dist.get_rank()}: trained to step {args.steps}", flush=True)
+    if args.load_while_saving:
+        load_while_saving(runtime)
+    if args.end == "exit1":
+        sys.exit(1)
+    if args.end == "raise":
+        raise RuntimeError("the training script failed")
+    if args.end == "close":
+        runtime.close(job_finished=False)
+    if args.end == "hang":
+        signal.pause()
+
+
+def load_while_saving(runtime: AdapterRuntime) -> None:
+    rank = dist.get_rank()
+    if rank == 1:
+        runtime.wait_reusable()
+        time.sleep(2)  # its save thread commits a few bytes and waits in the job-wide agreement meanwhile
+    print(f"rank {rank}: loading while saving", flush=True)
+    resumption = runtime.restore()
+    w = resumption.restored.state["w"]
+    runtime.resumed_from_memory(resumption.restored)
+    print(f"rank {rank}: loaded version {resumption.restored.version}: w = {sorted(set(w.tolist()))} x {w.numel()}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

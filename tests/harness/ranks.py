@@ -1,0 +1,241 @@
+"""Starting a job's ranks as local processes, one per rank, so that single ranks can be
+SIGKILLed and the job restarted: what torchrun does, minus its restart policy.
+
+A rank is forked from the session's fork server (tests/harness/zygote.py), which has
+torch, DeepSpeed and megatron-core imported already, unless its environment changes how
+those imports go (another ``PYTHONPATH``, torch's backend autoload off for a run without
+any ftmem module, another accelerator): such a rank starts as a cold ``python -m``. Either
+way it is a real process, killed for real.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+#: the repository's root: ranks run from it, as ``python -m`` of its modules
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: what every rank gets (and the fork server was started with)
+RANK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+# Read while torch and DeepSpeed are imported: a rank that sets them otherwise starts cold.
+# DeepSpeed picks its accelerator at import; the server's is the CPU, which is also what a
+# rank on a machine without CUDA finds by itself.
+_IMPORT_ENV = ("PYTHONPATH", "PYTHONHOME", "TORCH_DEVICE_BACKEND_AUTOLOAD", "OMP_NUM_THREADS")
+_SERVER_ENV = {**RANK_ENV, "DS_ACCELERATOR": "cpu"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class _ForkServer:
+    """The session's fork server and what it reports: the pid of each child it forked
+    (in order) and the exit code of each that ended."""
+
+    def __init__(self):
+        env = dict(os.environ, **_SERVER_ENV)
+        for name in ("PYTHONPATH", "TORCH_DEVICE_BACKEND_AUTOLOAD"):
+            env.pop(name, None)
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.harness.zygote"], cwd=REPO, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._changed = threading.Condition()
+        self._forked: list[int] = []
+        self._codes: dict[int, int] = {}
+        self._lock = threading.Lock()  # one request and its pid at a time
+        threading.Thread(target=self._read, name="fork-server-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            with self._changed:
+                if "code" in message:
+                    self._codes[message["pid"]] = message["code"]
+                else:
+                    self._forked.append(message["pid"])
+                self._changed.notify_all()
+        with self._changed:  # the server is gone: no more reports
+            self._changed.notify_all()
+
+    def serves(self, env: dict) -> bool:
+        return (env.get("DS_ACCELERATOR", "cpu") == "cpu"
+                and all(env.get(name) == self.env.get(name) for name in _IMPORT_ENV))
+
+    def fork(self, module: str, args: Sequence[str], env: dict, log: str) -> int:
+        request = {"module": module, "args": list(args), "env": env, "cwd": os.getcwd(), "log": log}
+        with self._lock, self._changed:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            if not self._changed.wait_for(lambda: self._forked or self.proc.poll() is not None, timeout=60):
+                raise TimeoutError("the rank fork server (tests/harness/zygote.py) did not fork within 60 s")
+            if not self._forked:
+                raise RuntimeError(f"the rank fork server exited with {self.proc.returncode}")
+            return self._forked.pop(0)
+
+    def code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._codes or self.proc.poll() is not None, timeout=timeout)
+            return self._codes.get(pid)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # the server kills the children left and exits
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+_server: Optional[_ForkServer] = None
+_server_lock = threading.Lock()
+
+
+def _fork_server() -> _ForkServer:
+    global _server
+    with _server_lock:
+        if _server is None or _server.proc.poll() is not None:
+            _server = _ForkServer()
+        return _server
+
+
+def stop_fork_server() -> None:
+    if _server is not None:
+        _server.close()
+
+
+class ForkedRank:
+    """A rank forked by the fork server, as ``subprocess.Popen`` would show it."""
+
+    def __init__(self, server: _ForkServer, pid: int):
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self.server.code(self.pid, timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.server.code(self.pid, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:  # not reported, so not reaped: the pid is still this rank's
+            os.kill(self.pid, signal.SIGKILL)
+
+
+#: every rank started here, so that a harness cut short (a test past its time limit) can end those left
+_started: list = []
+
+
+def kill_ranks_left_running() -> None:
+    """SIGKILL every rank started here that still runs, and reap it."""
+    for proc in _started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _started.clear()
+
+
+def start_rank(module: str, args: Sequence[str], env: dict, log_path: str):
+    """One rank running ``python -m <module> <args>`` with ``env``, its output appended to
+    ``log_path``; forked where the fork server serves it (never where CUDA is: a GPU rank
+    starts cold, as its accelerator is chosen at import)."""
+    import torch
+
+    server = None if torch.cuda.is_available() else _fork_server()
+    if server is not None and server.serves(env):
+        proc = ForkedRank(server, server.fork(module, args, env, log_path))
+    else:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    _started.append(proc)
+    return proc
+
+
+class LocalJob:
+    """``world_size`` processes running ``python -m <module> <args>`` as ranks of one job."""
+
+    def __init__(self, module: str, args: Sequence[str], world_size: int, job_id: Optional[str],
+                 log_dir: str, env: Optional[dict] = None, rank_env: Optional[dict] = None):
+        os.makedirs(log_dir, exist_ok=True)
+        port = str(free_port())
+        self.log_dir = log_dir
+        self.procs: list = []
+        for rank in range(world_size):
+            proc_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                            **RANK_ENV)
+            if job_id is not None:
+                proc_env["FTMEM_JOB_ID"] = job_id
+            proc_env.update(env or {}, **(rank_env or {}).get(rank, {}))
+            self.procs.append(start_rank(module, args, proc_env, self.log_path(rank)))
+
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self.log_dir, f"rank{rank}.log")
+
+    @staticmethod
+    def read_log(log_dir: str, rank: int) -> str:
+        """What a rank printed, across every job started with this log dir."""
+        with open(os.path.join(log_dir, f"rank{rank}.log"), errors="replace") as f:
+            return f.read()
+
+    def log(self, rank: int) -> str:
+        return self.read_log(self.log_dir, rank)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        """Wait for ``predicate``; fail at once, with the logs, if a rank exits meanwhile."""
+        def ready() -> bool:
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            if dead and not predicate():
+                raise RuntimeError(f"rank(s) {dead} exited while waiting for {what}. Logs:\n{self.tails()}")
+            return predicate()
+        wait_until(ready, timeout, what)
+
+    def tails(self) -> str:
+        return "\n".join(f"--- rank {r} ---\n{self.log(r)[-3000:]}" for r in range(len(self.procs)))
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL one rank, as a crash would."""
+        self.procs[rank].kill()
+        self.procs[rank].wait()
+
+    def kill_all(self) -> None:
+        for rank in range(len(self.procs)):
+            self.kill(rank)
+
+    def wait(self, timeout: float) -> list[int]:
+        """Wait for every rank to exit; kill the job and raise if it takes longer."""
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise TimeoutError(f"job did not finish within {timeout:.0f} s; killed it. Logs:\n{self.tails()}")
+
+    def __enter__(self) -> "LocalJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill_all()
