@@ -3,7 +3,6 @@ against the checksum its writer took before the version counted as committed; a 
 under another EC geometry is refused on every rank, naming both; a missing, empty or
 short file is a lost shard that parity rebuilds. Real SMPs, shared memory and processes."""
 import dataclasses
-import glob
 import os
 import signal
 
@@ -13,7 +12,7 @@ import torch
 
 from harness.common import flip_byte, job_id, make_engine, run_cli
 from harness.ranks import wait_until
-from ftmem import NotRecoverableFromMemory
+from ftmem import NotRecoverableFromMemory, testhooks
 from ftmem.checksum import DATA_CHUNK, checksum, data_checksum
 from ftmem.procs import pid_alive
 from ftmem.slots import PARITY, RankStore
@@ -28,18 +27,54 @@ def reference(tmp_path_factory):
     return reference_run(tmp_path_factory.mktemp("reference"), WORLD)
 
 
-
-def smp_down_before_sealing(node_dir):
-    """The state a version is in when the node's SMP was down between its commit and
-    its sealing: SMP killed, no seal file. (Checksums are now taken by the writer
-    before the commit, so there are no seals left to delete; older ftmem wrote
-    ``*.seal`` files, and this also shows what it did with such a version.)"""
+def kill_the_smp(node_dir):
     pid = running_smp(node_dir)
     if pid is not None:
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: not pid_alive(pid), 10, f"SMP {pid} to die")
-    for seal in glob.glob(os.path.join(node_dir, "*.seal")):
-        os.unlink(seal)
+
+
+def the_writers_checksum_is_in_the_marker(store, version):
+    """``version``'s commit record, after checking that it holds the checksum of exactly
+    the bytes in its slot."""
+    record = store.read_commit(version)
+    with store.map_slot(record.slot, writable=False) as mm, memoryview(mm) as whole:
+        written = data_checksum(whole[: record.plan.nbytes])
+    assert record.checksum == written, f"the marker holds {record.checksum}, the slot's bytes are {written}"
+    return record
+
+
+def right_after_its_commit(monkeypatch, engine, version, change):
+    """Run ``change(engine.store, slot)`` in the window finding 4 was about: ``version``'s
+    commit marker has just been written, and nothing else has happened yet (no parity, no
+    job-wide agreement, the handle not committed), with the node's SMP killed first.
+    Older ftmem had the SMP checksum ("seal", a ``*.seal`` file) a version after its commit,
+    so bytes changed in this window were sealed as they were, or never if the SMP was down;
+    now the writer's checksum is in the marker before it exists (the ``after_commit`` test
+    hook of ftmem.commit), and nothing takes one later. Returns a list that holds the
+    version's commit record, as found in the window, once the window was reached."""
+    seen = []
+    real = testhooks.at
+
+    def at(point, rank, v):
+        real(point, rank, v)
+        if point == "after_commit" and v == version:
+            kill_the_smp(engine.identity.node_dir)
+            record = the_writers_checksum_is_in_the_marker(engine.store, version)
+            change(engine.store, record.slot)
+            seen.append(record)
+
+    monkeypatch.setattr(testhooks, "at", at)
+    return seen
+
+
+def smp_down_with_nothing_but_the_writers_checksum(store, version):
+    """A version committed and protected, then the node's SMP killed: nothing but the
+    checksum the writer put in the marker before it existed stands for the version's bytes
+    (there is no later seal to lose, as there was in older ftmem)."""
+    kill_the_smp(store.node_dir)
+    the_writers_checksum_is_in_the_marker(store, version)
+    assert version in store.parity_held()
 
 
 def damage(path, how):
@@ -51,7 +86,7 @@ def damage(path, how):
         os.truncate(path, os.path.getsize(path) // 2)
 
 
-# -- finding 4: corruption before any seal exists is never blessed ---------------------
+# -- finding 4: bytes changed after the writer's checksum are never blessed ---------------
 def test_the_data_checksum_sees_a_flip_in_any_chunk_whatever_buffer_holds_the_bytes():
     """Chunks are hashed by several threads: the digest must still cover every byte,
     chunk edges included, and not depend on the buffer type or the order threads end."""
@@ -66,12 +101,13 @@ def test_the_data_checksum_sees_a_flip_in_any_chunk_whatever_buffer_holds_the_by
     assert data_checksum(data[:DATA_CHUNK]) != data_checksum(data[: DATA_CHUNK + 1])
 
 
-def test_a_byte_flipped_while_the_smp_was_down_is_never_restored(shm_dir, ftmem_log):
+def test_a_byte_flipped_right_after_its_commit_with_the_smp_down_is_never_restored(shm_dir, ftmem_log,
+                                                                                  monkeypatch):
     engine = make_engine(shm_dir, job_id())
     engine.save({"w": torch.zeros(4096)}, 1).wait_committed()
+    window = right_after_its_commit(monkeypatch, engine, 2, lambda store, slot: flip_byte(store.slot_path(slot), 1000))
     engine.save({"w": torch.ones(4096)}, 2).wait_committed()
-    smp_down_before_sealing(engine.identity.node_dir)
-    flip_byte(engine.store.slot_path(engine.store.committed()[2]), 1000)
+    assert window, "the save of version 2 never reached the after_commit point"
     restored = engine.restore()
     assert restored.version == 1 and torch.equal(restored.state["w"], torch.zeros(4096))
     assert "rank 0 version 2: data in" in ftmem_log.text() and "does not match its checksum" in ftmem_log.text()
@@ -79,30 +115,32 @@ def test_a_byte_flipped_while_the_smp_was_down_is_never_restored(shm_dir, ftmem_
     engine.close(job_finished=True)
 
 
-def test_a_commit_marker_changed_while_the_smp_was_down_is_never_restored(shm_dir, ftmem_log):
-    """A change that still unpickles (a key renamed in the skeleton) is caught by the
+def test_a_commit_marker_changed_right_after_its_commit_with_the_smp_down_is_never_restored(shm_dir, ftmem_log,
+                                                                                          monkeypatch):
+    """A change that still decodes (a key renamed in the skeleton) is caught by the
     marker's own checksum."""
+    def rename_the_key(store, slot):
+        with open(store.commit_path(2, slot), "r+b") as f:
+            raw = f.read()
+            f.seek(raw.index(b"weights"))
+            f.write(b"W")
+
     engine = make_engine(shm_dir, job_id())
     engine.save({"weights": torch.zeros(16)}, 1).wait_committed()
+    window = right_after_its_commit(monkeypatch, engine, 2, rename_the_key)
     engine.save({"weights": torch.ones(16)}, 2).wait_committed()
-    smp_down_before_sealing(engine.identity.node_dir)
-    marker = engine.store.commit_path(2, engine.store.committed()[2])
-    with open(marker, "r+b") as f:
-        raw = f.read()
-        f.seek(raw.index(b"weights"))
-        f.write(b"W")
+    assert window, "the save of version 2 never reached the after_commit point"
     restored = engine.restore()
     assert restored.version == 1 and list(restored.state) == ["weights"]
     assert "does not match its own checksum" in ftmem_log.text()
     engine.close(job_finished=True)
 
 
-def test_a_byte_flipped_while_the_smp_was_down_is_rebuilt_from_parity(shm_dir, tmp_path, reference):
+def test_a_byte_flipped_with_the_smp_down_is_rebuilt_from_parity(shm_dir, tmp_path, reference):
     job = TrainJob(shm_dir, tmp_path, world=WORLD, ec=(2, 1))
     job.run_until_stopped(after=5)
-    node_dir = job.node_dir(0)
-    smp_down_before_sealing(node_dir)
-    store = RankStore(node_dir, 0)
+    store = RankStore(job.node_dir(0), 0)
+    smp_down_with_nothing_but_the_writers_checksum(store, 5)
     flip_byte(store.slot_path(store.committed()[5]), 200)
     job.restart_and_check(reference, expect_version=5, rebuilt_ranks={0})
     assert "rank 0 version 5: data in" in job.log(0) and "does not match its checksum" in job.log(0)
