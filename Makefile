@@ -8,7 +8,7 @@ DEEPSPEED_PIN ?= deepspeed==0.19.8
 # megatron-core >= 0.17 needs Python >= 3.12; 0.16.1 is the newest for 3.11.
 MEGATRON_PIN ?= megatron-core==0.16.1
 
-.PHONY: install demo test test-gpu clean-shm megatron-lm docs
+.PHONY: install demo test test-faults test-gpu clean-shm megatron-lm docs
 
 install: $(VENV)/.installed
 
@@ -34,15 +34,20 @@ $(MLM)/.built: $(VENV)/.installed tests/harness/megatron_lm/build_env.py patches
 	$(PY) tests/harness/megatron_lm/build_env.py $(MLM)
 	touch $@
 
+# Every tier (tests/unit, tests/integration, tests/faults; tests/gpu skips without CUDA), with
+# the random-kill loops in their short, seeded form: each victim kind and moment kind once.
 test: install megatron-lm
 	$(PY) -m pytest -q -ra --durations=30 tests
+
+# The fault tier with the random-kill loops at full length (20 and 10 kills per loop).
+test-faults: install
+	$(PY) -m pytest -q -ra --durations=30 --full-faults tests/faults
 
 clean-shm: install
 	$(VENV)/bin/ftmem clean --all
 
 # The documentation site (mkdocs.yml, docs/) into build/site; --strict fails on a broken link.
 docs: install
-	$(PY) -c "import mkdocs" 2>/dev/null || $(PY) -m pip install --quiet "mkdocs>=1.6"
 	$(PY) -m mkdocs build --strict --site-dir build/site
 
 # The GPU tests (tests/gpu/test_gpu.py, marked gpu; skipped by `make test` without CUDA) in a venv

@@ -31,11 +31,10 @@ import json
 import os
 import random
 import re
-import resource
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import pytest
 
@@ -48,8 +47,12 @@ from harness.megatron_jobs import MegatronJob
 from harness.toy import assert_same_training
 
 SEED = 1414
+# Full length (``make test-faults``, pytest --full-faults): kills and iterations per job identity.
 DS_TRIALS, MEGATRON_TRIALS = 20, 10
 DS_ITERS, MEGATRON_ITERS = 72, 36
+# The short loops of ``make test`` kill once per victim kind and moment kind (PLAN), each
+# in a seeded pass of its own, then once more at the end: every kind of kill, in fewer passes.
+SHORT_DS_ITERS, SHORT_MEGATRON_ITERS = 24, 16
 PASS_TIMEOUT = 300  # one pass (start, restore, steps, or the end); generous for a loaded machine
 RESTORED = re.compile(r"^ftmem: restored iteration (\d+) from (memory|disk)(.*)$", re.MULTILINE)
 
@@ -66,14 +69,14 @@ class DeepSpeedIdentity:
 
     world, nodes, m, step_offset = 3, 3, 1, 1
 
-    def __init__(self, shm_dir, root, persist: bool):
+    def __init__(self, shm_dir, root, persist: bool, iters: int):
         ftmem = {"ec": {"k": 2, "m": 1}, "ranks_per_node": 1}
         self.persist = os.path.join(root, "persist") if persist else None
         if persist:
             ftmem["persist"] = {"dir": self.persist, "interval": 2}
         self.job = DSJob("zero1.json", self.world, shm_dir, root, ftmem=ftmem)
-        self.job.args[self.job.args.index("--iters") + 1] = str(DS_ITERS)
-        self.iters, self.shm_dir, self.id = DS_ITERS, shm_dir, self.job.job
+        self.job.args[self.job.args.index("--iters") + 1] = str(iters)
+        self.iters, self.shm_dir, self.id = iters, shm_dir, self.job.job
         self.log_dir = self.job.out
         self.loss_files = [os.path.join(self.job.out, f"rank{r}.losses.jsonl") for r in range(self.world)]
 
@@ -99,15 +102,15 @@ class DeepSpeedIdentity:
             jobs.clean(self.shm_dir, self.id)
 
 
-def deepspeed_reference(root: str) -> str:
+def deepspeed_reference(root: str, iters: int) -> str:
     """The uninterrupted run without ftmem: DeepSpeed's stock engine saving every step
     (once per session: both loops compare against it)."""
-    return run_once(("deepspeed-random-kills", DS_ITERS), lambda: _deepspeed_reference(root))
+    return run_once(("deepspeed-random-kills", iters), lambda: _deepspeed_reference(root, iters))
 
 
-def _deepspeed_reference(root: str) -> str:
+def _deepspeed_reference(root: str, iters: int) -> str:
     job = DSJob("zero1.json", DeepSpeedIdentity.world, None, root, stock=True)
-    job.args[job.args.index("--iters") + 1] = str(DS_ITERS)
+    job.args[job.args.index("--iters") + 1] = str(iters)
     assert job.run() == [0] * job.world, job.log(0)[-5000:]
     for rank in range(job.world):
         assert "checkpoint engine TorchCheckpointEngine" in job.log(rank), job.log(rank)[-3000:]
@@ -123,11 +126,11 @@ class MegatronIdentity:
     world, nodes, m, step_offset = 2, 2, 1, 0
     PARALLEL = ["--tensor-model-parallel-size", "2"]
 
-    def __init__(self, shm_dir, root):
+    def __init__(self, shm_dir, root, iters: int):
         self.job = MegatronJob(self.world, self.PARALLEL, ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1",
                                                            "--ftmem-ec-m", "1"], shm_dir, root)
-        self.job.args[self.job.args.index("--train-iters") + 1] = str(MEGATRON_ITERS)
-        self.iters, self.shm_dir, self.id, self.persist = MEGATRON_ITERS, shm_dir, self.job.job, None
+        self.job.args[self.job.args.index("--train-iters") + 1] = str(iters)
+        self.iters, self.shm_dir, self.id, self.persist = iters, shm_dir, self.job.job, None
         self.log_dir, self.out = self.job.logs, os.path.join(root, "out.json")
         self.loss_files = [os.path.join(root, "losses.jsonl")]
         os.makedirs(self.log_dir, exist_ok=True)
@@ -154,10 +157,10 @@ class MegatronIdentity:
         assert self.id not in jobs.list_jobs(self.shm_dir)  # Megatron's final save is on disk: freed
 
 
-def megatron_reference(root: str) -> dict:
+def megatron_reference(root: str, iters: int) -> dict:
     """The uninterrupted run without ftmem (no in_memory, no --ftmem-* flag)."""
     job = MegatronJob(MegatronIdentity.world, MegatronIdentity.PARALLEL, [], None, root, stock=True)
-    job.args[job.args.index("--train-iters") + 1] = str(MEGATRON_ITERS)
+    job.args[job.args.index("--train-iters") + 1] = str(iters)
     job.run(os.path.join(root, "out.json"))
     for rank in range(job.world):
         assert "ftmem" not in job.log(rank), job.log(rank)[-3000:]
@@ -314,10 +317,28 @@ def hung(p: Pass, what: str) -> None:
 # ---------------------------------------------------------------- the loop
 
 class KillLoop:
-    def __init__(self, new_identity, trials: int, reference, two_nodes: bool, rng: random.Random):
+    """``trials`` kills (at least); with a ``plan`` of (victim kind, moment kind), each of
+    those first, as soon as a pass allows it, the rest drawn by the seeded RNG."""
+
+    def __init__(self, new_identity, trials: int, reference, two_nodes: bool, rng: random.Random,
+                 plan: Sequence[tuple[str, str]] = ()):
         self.new_identity, self.trials, self.reference, self.rng = new_identity, trials, reference, rng
-        self.two_nodes = two_nodes
+        self.two_nodes, self.plan = two_nodes, list(plan)
+        # The last kill's delay after the last step: up to 2 s lands in the final save, the
+        # teardown or after the end; a job that ended first starts a new identity and tries
+        # again, which the short loops, with their fast ends, cannot afford often.
+        self.end_delay = 0.3 if plan else 2.0
         self.summary: list[str] = []
+        self.kinds_killed: set[tuple[str, str]] = set()  # (victim kind, moment kind) of each kill
+
+    def _planned(self, p: Pass, fresh: bool, kinds: list[str]) -> Optional[tuple[str, str]]:
+        """The first planned kill this pass allows, taken off the plan."""
+        for kind, how in self.plan:
+            protectable = p.start + 3 <= p.ident.iters  # a lost node needs a version of this pass protected
+            if kind in kinds and (kind != "node" or protectable) and (how != "restore" or (not fresh and kind != "node")):
+                self.plan.remove((kind, how))
+                return kind, how
+        return None
 
     def choose(self, p: Pass, fresh: bool, last: bool) -> tuple[tuple, float, str, list[int]]:
         """The moment, the extra delay, the victim kind and the node(s) it takes. The last
@@ -326,13 +347,17 @@ class KillLoop:
         ident, rng = p.ident, self.rng
         first = 3 if fresh else p.start + 1  # a fresh job: only once version 1 is protected
         kinds = ["rank", "all", "node"] + (["two_nodes"] if self.two_nodes and ident.disk_version() else [])
-        kind = rng.choice(kinds)
+        planned = None if last else self._planned(p, fresh, kinds)
+        kind = planned[0] if planned else rng.choice(kinds)
         if kind == "node" and p.start + 3 > ident.iters:
             kind = "rank"  # no version of this pass could be protected before the end
         lowest = min(p.start + 3 if kind == "node" else first, ident.iters)
         r = rng.random()
         if last:
-            moment, delay = ("version", ident.iters), rng.uniform(0, 2.0)
+            moment, delay = ("version", ident.iters), rng.uniform(0, self.end_delay)
+        elif planned:
+            moment = ("restore",) if planned[1] == "restore" else ("version", rng.randint(lowest, min(lowest + 3, ident.iters)))
+            delay = rng.uniform(0, 0.5 if planned[1] == "restore" else 0.3)
         elif not fresh and kind != "node" and r < 0.1:
             moment, delay = ("restore",), rng.uniform(0, 0.5)
         else:
@@ -392,8 +417,8 @@ class KillLoop:
                 log(line)
 
     def _run(self, shm_dir: str, root: str) -> None:
-        started, cpu0 = time.monotonic(), _children_cpu()
-        identities, kills, passes = 0, 0, 0
+        started = time.monotonic()
+        identities, kills, passes, killed_last = 0, 0, 0, False
         ident, p = None, None
         while True:
             if p is None:  # a new job identity
@@ -408,18 +433,19 @@ class KillLoop:
                 run_until(p, ("restore",), where)
                 p.restored_after = time.monotonic() - p.began
                 check_restore(p, where)
-            if kills == self.trials or p.start >= ident.iters:
+            if killed_last or p.start >= ident.iters:
                 # The last restart runs to the end; so does one that resumed at the end
                 # (it trains nothing; killing it in its teardown over and over tests nothing new).
                 finish(p, where)
                 check_resumed(p, ended=True)
                 ident.check_end(self.reference)
-                if kills == self.trials:
+                if killed_last:
                     break
                 self.summary.append(f"{where}: resumed at {p.start}, the end: ran to it, bitwise")
                 p = None
                 continue
-            moment, delay, kind, nodes = self.choose(p, fresh, last=kills + 1 == self.trials)
+            last = kills + 1 >= self.trials and not self.plan
+            moment, delay, kind, nodes = self.choose(p, fresh, last=last)
             ended = run_until(p, moment, where)
             time.sleep(delay)
             codes = [proc.poll() for proc in p.run.procs]
@@ -436,38 +462,53 @@ class KillLoop:
                 continue
             self.kill(p, kind, nodes)
             kills += 1
+            self.kinds_killed.add((kind, "end" if last else moment[0]))
+            killed_last = last
             check_resumed(p, ended=False)
             expected = self.expect(p)
             self.summary.append(f"{where}: resumed at {p.start} ({p.restored_after:.0f} s), {moment} +{delay:.2f} s, "
                                 f"killed {kind} {nodes} ({time.monotonic() - p.began:.0f} s), loss lines up to "
                                 f"version {max(p.versions_seen())}; restart must restore {expected}")
             p = begin(ident, load=True, expected=expected)
-        wall, cpu = time.monotonic() - started, _children_cpu() - cpu0
-        self.summary.append(f"{kills} kills, {identities} job identities, {passes} passes: {wall:.0f} s wall, "
-                            f"{cpu:.0f} s CPU of the job processes")
-
-
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+        self.summary.append(f"{kills} kills, {identities} job identities, {passes} passes: "
+                            f"{time.monotonic() - started:.0f} s wall")
 
 
 # ---------------------------------------------------------------- the loops
 
+# Each victim kind at a step, one of them right after a restore, and the last kill at the end.
+PLAN = [("rank", "version"), ("all", "restore"), ("node", "version")]
+PERSIST_PLAN = [("rank", "restore"), ("all", "version"), ("node", "version"), ("two_nodes", "version")]
+
+
+def check_covered(loop: KillLoop, plan: Sequence[tuple[str, str]]) -> None:
+    """The loop killed every victim kind at every moment kind its plan names, and at the end."""
+    missing = set(plan) - loop.kinds_killed
+    assert not missing, f"the loop never killed {sorted(missing)}; it killed {sorted(loop.kinds_killed)}"
+    assert any(how == "end" for _, how in loop.kinds_killed), loop.kinds_killed
+
+
 @pytest.mark.timeout(2400)  # each pass has its own bounded waits (PASS_TIMEOUT); this is the whole loop
 @pytest.mark.parametrize("persist", [False, True], ids=["memory", "persist"])
-def test_deepspeed_random_kills(persist, shm_dir, tmp_path, monkeypatch):
+def test_deepspeed_random_kills(persist, shm_dir, tmp_path, monkeypatch, request):
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")  # a hung rank's stacks, see hung()
-    reference = deepspeed_reference(str(tmp_path / "reference"))
-    loop = KillLoop(lambda shm, root: DeepSpeedIdentity(shm, root, persist), DS_TRIALS, reference,
-                    two_nodes=persist, rng=random.Random(f"{SEED}-deepspeed-{persist}"))
+    full = request.config.getoption("--full-faults")
+    iters, plan = (DS_ITERS, []) if full else (SHORT_DS_ITERS, PERSIST_PLAN if persist else PLAN)
+    reference = deepspeed_reference(str(tmp_path / "reference"), iters)
+    loop = KillLoop(lambda shm, root: DeepSpeedIdentity(shm, root, persist, iters), DS_TRIALS if full else len(plan) + 1,
+                    reference, two_nodes=persist, rng=random.Random(f"{SEED}-deepspeed-{persist}"), plan=plan)
     loop.run(shm_dir, str(tmp_path))
+    check_covered(loop, plan)
 
 
 @pytest.mark.timeout(1200)
-def test_megatron_random_kills(shm_dir, tmp_path, monkeypatch):
+def test_megatron_random_kills(shm_dir, tmp_path, monkeypatch, request):
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
-    reference = megatron_reference(str(tmp_path / "reference"))
-    loop = KillLoop(MegatronIdentity, MEGATRON_TRIALS, reference, two_nodes=False,
-                    rng=random.Random(f"{SEED}-megatron"))
+    full = request.config.getoption("--full-faults")
+    iters, plan = (MEGATRON_ITERS, []) if full else (SHORT_MEGATRON_ITERS, PLAN)
+    reference = megatron_reference(str(tmp_path / "reference"), iters)
+    loop = KillLoop(lambda shm, root: MegatronIdentity(shm, root, iters), MEGATRON_TRIALS if full else len(plan) + 1,
+                    reference,
+                    two_nodes=False, rng=random.Random(f"{SEED}-megatron"), plan=plan)
     loop.run(shm_dir, str(tmp_path))
+    check_covered(loop, plan)
