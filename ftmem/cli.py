@@ -1,9 +1,10 @@
 """The ``ftmem`` command: status, clean, export, bench, demo, survival.
 
-``bench`` and ``demo`` run tools that ship beside the library (``benchmarks/`` and
-``examples/``), which the library never imports: they are found through the entry
-points of group ``ftmem.tools`` (``bench-<name>`` and ``demo``), each a
-``main(argv) -> int`` that parses its own flags.
+``bench`` and ``demo`` run tools that live in ftmem's source tree beside the library
+(``benchmarks/`` and ``examples/``), which the library never imports and the wheel does not
+install: they are found through the entry points of group ``ftmem.tools`` (``bench-<name>``
+and ``demo``), each a ``main(argv) -> int`` that parses its own flags, in the checkout
+ftmem runs from (an editable install).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pkgutil
 import sys
 import textwrap
 from importlib.metadata import entry_points
+from typing import Optional
 
 from . import jobs, survival
 from .config import SHM_DIR_ADVICE, shm_dir_problem
@@ -152,19 +154,28 @@ def _tools() -> dict:
     return {ep.name: ep for ep in entry_points(group=TOOLS)}
 
 
+def _source_tree() -> Optional[str]:
+    """The checkout this ftmem runs from, which holds the tools; None for an installed wheel."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return root if all(os.path.isdir(os.path.join(root, d)) for d in ("examples", "benchmarks")) else None
+
+
 def _run_tool(command: str, name: str, argv: list) -> int:
-    """Load the tool ``name`` and call its ``main(argv)``; one line and status 2 if it
-    is not installed or cannot be imported."""
-    tool = _tools().get(name)
-    if tool is None:
-        print(f"ftmem {command}: not installed (no entry point {name!r} in group {TOOLS!r}); the tools ship in "
-              f"ftmem's source tree (examples/, benchmarks/): install it from there, e.g. pip install -e .",
+    """Load the tool ``name`` from the source tree and call its ``main(argv)``; one line
+    and status 2 if there is none or it cannot be imported."""
+    tool, root = _tools().get(name), _source_tree()
+    if tool is None or root is None:
+        print(f"ftmem {command}: the benchmarks and the demo run from ftmem's source tree (examples/, benchmarks/), "
+              f"which this installation does not have: run it from a checkout (pip install -e <checkout>)",
               file=sys.stderr)
         return 2
+    if root not in sys.path:  # the tools, and the ranks they start with python -m, import from it
+        sys.path.insert(0, root)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     try:
         main = tool.load()
     except ImportError as e:
-        print(f"ftmem {command}: cannot load {tool.value}: {e}", file=sys.stderr)
+        print(f"ftmem {command}: cannot load {tool.value} from {root}: {e}", file=sys.stderr)
         return 2
     code = main(list(argv))
     return 0 if code is None else int(code)
