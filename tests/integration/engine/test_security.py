@@ -1,10 +1,13 @@
 """Nothing runs from shared memory, nothing there is open to other users (issue 15,
-findings 1, 2 and 7). The tests run as root and plant things as ``nobody`` (a forked
-child that drops to its uid): a directory another user owns, a 0777 directory, a
-crafted marker, a crafted SMP request, a symlinked node.json, a pre-bound socket name.
-In every case no planted code runs, nothing outside the root is written, and the error
-says what is wrong. Then: the modes a save leaves under umask 002, and SMPs that exit
-once their job is gone."""
+findings 1, 2 and 7). Things are planted as another user where that matters: a directory
+another user owns and a 0777 directory with another user's files in it need root, to
+plant them as ``nobody`` (a forked child that drops to its uid), and skip without it.
+The rest run as any user: a crafted marker, a crafted SMP request, a symlinked
+node.json, a pre-bound socket name (the SMP tells its clients apart by the key alone,
+so the client without the key and the squatter are ``nobody`` only when the tests run
+as root). In every case no planted code runs, nothing outside the root is written, and
+the error says what is wrong. Then: the modes a save leaves under umask 002, and SMPs
+that exit once their job is gone."""
 import dataclasses
 import json
 import os
@@ -35,14 +38,22 @@ from ftmem.smp_client import bound_waits, running_smp
 NOBODY = pwd.getpwnam("nobody")
 BOUND_S = 30  # any wait here longer than this is a hang
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plants files as another user: needs root")
-
+AS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not AS_ROOT, reason="plants files owned by another user: needs root")
 
 
 def _drop_to_nobody() -> None:
     os.setgroups([])
     os.setgid(NOBODY.pw_gid)
     os.setuid(NOBODY.pw_uid)
+
+
+def _drop_to_nobody_if_root() -> None:
+    """For a stranger whose uid ftmem never looks at: ``nobody`` when the tests run as
+    root, else this user (who, in the child, uses nothing of the job's but what a
+    stranger could have)."""
+    if AS_ROOT:
+        _drop_to_nobody()
 
 
 def _wait_child(pid: int, timeout: float = BOUND_S) -> int:
@@ -57,18 +68,28 @@ def _wait_child(pid: int, timeout: float = BOUND_S) -> int:
     pytest.fail(f"the child {pid} acting as nobody hung")
 
 
-def as_nobody(action) -> None:
-    """Run ``action()`` in a forked child as ``nobody``; fail if it raised."""
+def _in_a_child(action, drop) -> None:
+    """Run ``action()`` in a forked child, after ``drop()``; fail if it raised."""
     pid = os.fork()
     if pid == 0:  # the child: no pytest machinery from here on
         try:
-            _drop_to_nobody()
+            drop()
             action()
             os._exit(0)
         except BaseException as e:
             os.write(2, f"as nobody: {e!r}\n".encode())
             os._exit(1)
     assert _wait_child(pid) == 0
+
+
+def as_nobody(action) -> None:
+    """Run ``action()`` in a forked child as ``nobody`` (needs root); fail if it raised."""
+    _in_a_child(action, _drop_to_nobody)
+
+
+def as_a_stranger(action) -> None:
+    """Run ``action()`` in a forked child as a stranger (:func:`_drop_to_nobody_if_root`)."""
+    _in_a_child(action, _drop_to_nobody_if_root)
 
 
 def shared_like_dev_shm(shm_dir) -> None:
@@ -95,6 +116,7 @@ def live_payload(path, scratch) -> bytes:
 
 
 # -- directories another user planted ------------------------------------------------------------------
+@needs_root
 def test_a_root_planted_by_another_user_is_refused_with_owner_and_remedy(shm_dir):
     shared_like_dev_shm(shm_dir)
     root = root_dir(shm_dir)
@@ -111,6 +133,7 @@ def test_a_root_planted_by_another_user_is_refused_with_owner_and_remedy(shm_dir
         shutil.rmtree(root)
 
 
+@needs_root
 def test_a_world_writable_directory_is_refused_and_nothing_planted_in_it_runs(shm_dir, tmp_path):
     shared_like_dev_shm(shm_dir)
     job = job_id()
@@ -241,7 +264,7 @@ def test_a_crafted_smp_request_runs_nothing_in_the_smp(shm_dir, tmp_path):
     address = smp_address(node_dir, key)
     payload = live_payload(str(evidence), str(tmp_path))
 
-    def unauthenticated_pickle():  # nobody, who cannot read smp.key: refused at the handshake
+    def unauthenticated_pickle():  # a stranger, who cannot read smp.key: refused at the handshake
         conn = _raw_connection(address)
         conn.send_bytes(payload)
         try:
@@ -249,7 +272,7 @@ def test_a_crafted_smp_request_runs_nothing_in_the_smp(shm_dir, tmp_path):
         except (EOFError, OSError):
             pass
 
-    as_nobody(unauthenticated_pickle)
+    as_a_stranger(unauthenticated_pickle)
     # Even a client holding the key gets no pickle loaded: the SMP reads JSON only.
     conn = _raw_connection(address)
     answer_challenge(conn, key)
@@ -304,9 +327,9 @@ def test_a_pre_bound_socket_name_is_reported_at_once(shm_dir):
         time.sleep(0.01)
     ready_r, ready_w = os.pipe()
     squatter = os.fork()
-    if squatter == 0:  # nobody takes the name and holds it
+    if squatter == 0:  # a stranger takes the name and holds it
         try:
-            _drop_to_nobody()
+            _drop_to_nobody_if_root()
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             free_by = time.monotonic() + 10  # the killed SMP's last threads may still hold the name
             while True:
