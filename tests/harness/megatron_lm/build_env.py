@@ -34,7 +34,7 @@ import tempfile
 import zipfile
 
 VERSION = "0.19.2"
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 PATCH = os.path.join(REPO, "patches", "megatron-lm-0.19.2-ftmem.patch")
 
 SITECUSTOMIZE = '''\
