@@ -136,10 +136,10 @@ def bench_protect(nodes=NODES, parities=PARITIES, mb: int = MB_PER_NODE, repeat:
             result[f"protect_growth_m{m}_x"] = times[-1] / times[0]
             print(f"m={m}: per-node time at the largest N is {times[-1] / times[0]:.2f}x that at the smallest "
                   f"(flat = 1)")
-    print("RESULT " + " ".join(f"{k}={v:.6g}" for k, v in result.items()))
     if plot:
         plot_protect(rows, mb, plot)
         print(f"plot: {plot}")
+    print("RESULT " + " ".join(f"{k}={v:.6g}" for k, v in result.items()))  # the last line, as every benchmark's
     return result
 
 
