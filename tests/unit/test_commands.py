@@ -1,7 +1,40 @@
-"""The shell commands a newcomer runs: the demo and the benchmarks."""
-import re
+"""The shell commands a newcomer runs: the demo and the benchmarks.
+
+The benchmarks run on tiny sizes: no timing is asserted, only what a run must show
+whatever the machine. Each ends with its one ``RESULT`` line, whose keys are the ones
+docs/benchmarks.md lists, each naming its unit, with finite values; it frees the
+shared memory it took; and the figures that count bytes rather than time are what
+ftmem's layout makes them."""
+import json
+import math
 
 from harness.common import run_cli
+
+# The unit each RESULT key ends with: seconds, throughputs, ratios, sizes in MiB.
+UNITS = ("_s", "_gbps", "_x", "_mb")
+
+
+def result_figures(out) -> dict:
+    """The figures of a benchmark run that ran to its end, whose output ends with its one
+    RESULT line, of ``key=value`` pairs, each key once and naming its unit, each value a
+    finite number."""
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.strip().splitlines()
+    results = [line for line in lines if line.startswith("RESULT")]
+    assert len(results) == 1 and lines[-1] == results[0], lines[-3:]
+    pairs = [kv.split("=") for kv in results[0].removeprefix("RESULT ").split()]
+    assert pairs and all(len(kv) == 2 for kv in pairs), results[0]
+    figures = {key: float(value) for key, value in pairs}
+    assert len(figures) == len(pairs), results[0]
+    assert [key for key in figures if not key.endswith(UNITS)] == [], results[0]
+    assert [key for key, value in figures.items() if not math.isfinite(value)] == [], results[0]
+    return figures
+
+
+def assert_memory_freed(shm_dir):
+    status = run_cli("status", "--json", "--shm-dir", shm_dir)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["jobs"] == [], status.stdout
 
 
 def test_demo_rebuilds_a_lost_node_bitwise_and_frees_memory(shm_dir):
@@ -12,42 +45,39 @@ def test_demo_rebuilds_a_lost_node_bitwise_and_frees_memory(shm_dir):
     assert out.stdout.rstrip().endswith("SUCCESS")
 
 
-def test_bench_save_ends_with_a_result_line(shm_dir):
-    out = run_cli("bench", "save", "--mb", "24", "--repeat", "2", "--shm-dir", shm_dir)
-    assert out.returncode == 0, out.stdout + out.stderr
-    last = out.stdout.strip().splitlines()[-1]
-    figures = dict(kv.split("=") for kv in re.match(r"^RESULT (.*)$", last).group(1).split())
+def test_bench_save_ends_with_its_result_line_and_frees_its_memory(shm_dir):
+    figures = result_figures(run_cli("bench", "save", "--mb", "24", "--repeat", "2", "--shm-dir", shm_dir))
     assert set(figures) == {"save_s", "reusable_s", "torch_save_s", "memcpy_s", "vs_torch_save_x", "vs_memcpy_x",
                             "protected_s", "step_s", "cycle_s", "cycle_cost_s", "cycle_cost_vs_torch_save_x"}
-    values = {k: float(v) for k, v in figures.items()}
     # A save can cost a step nothing (noise): the cycle cost alone may be negative.
-    assert all(v > 0 for k, v in values.items() if not k.startswith("cycle_cost"))
-    assert abs(values["vs_memcpy_x"] - values["reusable_s"] / values["memcpy_s"]) < 1e-3 * values["vs_memcpy_x"]
-    assert abs(values["cycle_cost_s"] - (values["cycle_s"] - values["step_s"])) < 1e-6 + 1e-3 * values["cycle_s"]
-    assert values["protected_s"] >= values["reusable_s"]
+    assert [k for k, v in figures.items() if v <= 0 and not k.startswith("cycle_cost")] == [], figures
+    assert_memory_freed(shm_dir)
 
 
-def test_bench_ec_ends_with_a_result_line(shm_dir):
-    out = run_cli("bench", "ec", "--mb", "16", "--piece-mb", "4", "--shm-dir", shm_dir)
-    assert out.returncode == 0, out.stdout + out.stderr
-    figures = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
-    assert {"encode_gbps", "rebuild_gbps", "memcpy_gbps", "protect_s", "overhead_x"} <= set(figures)
-    assert all(float(v) > 0 for v in figures.values())
-    assert abs(float(figures["overhead_x"]) - 0.5) < 0.005  # k=2, m=1: parity is half the data
+def test_bench_ec_ends_with_its_result_line_and_holds_parity_and_dp_shards_as_ftmem_lays_them_out(shm_dir):
+    """Three nodes at k=2, m=1, each rank holding 1.5x --mb of which half is replicated
+    over the three: the parity and metadata held are m/k = 0.5 of the data (the issue's
+    target: within 1%), and with DP sharding each rank copies --mb, 1.5x fewer bytes than
+    it holds."""
+    figures = result_figures(run_cli("bench", "ec", "--mb", "16", "--piece-mb", "4", "--shm-dir", shm_dir))
+    assert set(figures) == {"encode_gbps", "rebuild_gbps", "xor_encode_gbps", "xor_rebuild_gbps", "memcpy_gbps",
+                            "xor_vs_memcpy_x", "rs_vs_memcpy_x", "protect_s", "overhead_x", "dp_copied_mb",
+                            "dp_held_mb", "dp_shard_saving_x"}
+    assert [k for k, v in figures.items() if v <= 0] == [], figures
+    assert abs(figures["overhead_x"] - 0.5) < 0.005, figures
+    assert figures["dp_held_mb"] == 24 and abs(figures["dp_copied_mb"] - 16) < 0.01, figures
+    assert_memory_freed(shm_dir)
 
 
-def test_bench_protect_ends_with_a_result_line_and_draws_its_plot(shm_dir, tmp_path):
+def test_bench_protect_ends_with_its_result_line_draws_its_plot_and_frees_its_memory(shm_dir, tmp_path):
     plot = tmp_path / "protect.png"
     out = run_cli("bench", "protect", "--nodes", "2,3", "--m", "1", "--mb", "4", "--repeat", "1", "--plot", str(plot),
                   "--shm-dir", shm_dir)
-    assert out.returncode == 0, out.stdout + out.stderr
-    figures = {k: float(v) for k, v in
-               (kv.split("=") for kv in out.stdout.strip().splitlines()[-2].removeprefix("RESULT ").split())}
+    figures = result_figures(out)
     per_case = {"protect_{}_s", "protect_{}_gbps", "copy_{}_s", "alltoall_{}_gbps", "memcpy_{}_gbps",
                 "protect_vs_alltoall_{}_x"}
     assert set(figures) == {key.format(case) for case in ("n2_m1", "n3_m1") for key in per_case} | {
         "protect_growth_m1_x"}
-    assert all(v > 0 for v in figures.values())
-    assert abs(figures["protect_vs_alltoall_n3_m1_x"] - figures["protect_n3_m1_gbps"] / figures["alltoall_n3_m1_gbps"]
-               ) < 1e-3 * figures["protect_vs_alltoall_n3_m1_x"]
+    assert [k for k, v in figures.items() if v <= 0] == [], figures
     assert f"plot: {plot}" in out.stdout and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_memory_freed(shm_dir)
