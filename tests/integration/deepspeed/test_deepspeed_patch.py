@@ -1,5 +1,6 @@
 """patches/deepspeed-0.19.8-ftmem.patch applies to the installed DeepSpeed's sources
 (on a copy), and the patched factory selects ftmem without importing ftmem_deepspeed."""
+import json
 import os
 import shutil
 import subprocess
@@ -69,16 +70,21 @@ def test_a_file_read_by_path_after_training_resumed_is_the_checkpoint_s_not_the_
     bitwise, the default engine's file of the same step."""
     config, stock = config_pair("zero0.json", shm_dir, ec={"k": 1, "m": 1})
     patched = {**ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONPATH": patched_deepspeed(tmp_path / "ds")}
-    world, job, got = 2, job_id(), {}
+    world, job = 2, job_id()
     read_back = ["--read-back", "torch-load-all", "--read-back-tag", "global_step3"]
     assert stock_script(tmp_path, "reference", stock, STOCK_ENV, world, job_id(), 3,
                         *read_back).wait(TIMEOUT) == [0] * world
     assert stock_script(tmp_path, "ftmem", config, patched, world, job, 3).wait(TIMEOUT) == [0] * world
     resumed = stock_script(tmp_path, "ftmem", config, patched, world, job, 4, *read_back)
     assert resumed.wait(TIMEOUT) == [0] * world, resumed.log(0)[-5000:]
+    # It trained a step past the version it resumed from, and saved it, before the read:
+    # else the read could not tell the checkpoint from the trained state.
+    assert (tmp_path / "ftmem" / "ckpt" / "latest").read_text().strip() == "global_step4"
     for rank in range(world):
         assert f"rank {rank}: checkpoint engine FtmemCheckpointEngine" in resumed.log(rank)
         assert logged(restored_from_memory(3, rank, "tag global_step3"), resumed.log(rank)), resumed.log(rank)[-3000:]
+        with open(tmp_path / "ftmem" / f"rank{rank}.losses.jsonl") as f:
+            assert [json.loads(line)["it"] for line in f] == [0, 1, 2, 3]
         mine, theirs = (torch.load(str(tmp_path / name / f"rank{rank}.read-back.pt"), weights_only=True)
                         for name in ("ftmem", "reference"))
         assert any("exp_avg" in key for key in theirs)  # the optimizer's state is in the file, and compared
