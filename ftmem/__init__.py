@@ -1,7 +1,7 @@
 """ftmem: in-memory, erasure-coded fault tolerance for large-model training.
 
 What an application or a framework adapter uses is exported here; the submodules are
-the engine's parts (see the README's architecture section) and may change.
+the engine's parts (see docs/design/architecture.md) and may change.
 """
 from .config import DP_SHARD_CHOICES, FtmemConfig
 from .destinations import RestoreTargets, TensorPlace

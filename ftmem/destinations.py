@@ -3,7 +3,7 @@
 A restarted framework has already allocated its parameters (and some of its optimizer
 state) before it loads. A restore into fresh tensors touches every page of them for the
 first time, which on this machine runs at a fraction of the rate into memory already
-touched (README, "Measured here"), and the framework then copies them into its
+touched (docs/benchmarks.md), and the framework then copies them into its
 own tensors anyway. An adapter may instead name, for the version about to be restored,
 the framework tensors that will end up holding each saved tensor: the restore copies
 (and DP-gathers) into them and hands them back in the restored state, so the framework's

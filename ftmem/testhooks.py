@@ -5,7 +5,7 @@
 ``$FTMEM_TEST_HOOK_DIR/paused.rank<r>.v<v>`` and sleeps until the process is killed;
 ``hold`` creates that file too, and goes on once ``$FTMEM_TEST_HOOK_DIR/resume.rank<r>.v<v>``
 exists (the test kills something else meanwhile, an SMP say).
-Points (any action at any point; tests/test_fault_matrix.py crosses them):
+Points (any action at any point; tests/faults/test_fault_matrix.py crosses them):
 
 * ``mid_copy``      saving v: half of the tensors are copied into the slot, no marker;
 * ``after_commit``  saving v: right after its commit marker, before any parity exists;

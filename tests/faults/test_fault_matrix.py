@@ -14,7 +14,8 @@ TIMEOUT and ends early on an event: a pause marker, a held version, an exit):
   was unfinished (killed after its commit or mid-exchange);
 * **refuses with the reason**: more than m nodes lost, the toy trainer exits 3 naming
   the group and the nodes it lacks (where a persistent tier exists that is the disk
-  fallback: tests/test_deepspeed.py, tests/test_megatron.py);
+  fallback: tests/integration/deepspeed/test_deepspeed.py,
+  tests/integration/megatron/test_megatron.py);
 * the **survivors** of a rank's or a node's death stop by themselves with an error,
   within TIMEOUT (a launcher then restarts the job).
 
@@ -26,12 +27,13 @@ Cells run here (kill point x victim, lost nodes):
 * after commit x all ranks
 * mid-exchange x one rank; x all ranks with 0, 1 and 2 (= m+1) nodes lost
 * mid-restore x all ranks; x one rank; mid-rebuild x the rank being rebuilt
-* mid-flush x all ranks (tests/lifecycle_job.py: the toy trainer has no persistent tier);
+* mid-flush x all ranks (tests/harness/lifecycle_job.py: the toy trainer has no persistent tier);
   mid-publish (rank 0 killed writing the flush manifest or retiring an old checkpoint)
 
-The other cells are run elsewhere (tests/test_crash_recovery.py, tests/test_node_loss.py,
-tests/test_integrity.py, tests/test_engine.py, tests/test_deepspeed.py, ...); README.md
-"Fault matrix" has the whole table, each cell naming its test.
+The other cells are run elsewhere (tests/integration/engine/test_crash_recovery.py,
+tests/faults/test_node_loss.py, tests/integration/engine/test_integrity.py,
+tests/integration/engine/test_engine.py, tests/integration/deepspeed/test_deepspeed.py, ...);
+docs/design/fault-matrix.md has the whole table, each cell naming its test.
 """
 import os
 import shutil
@@ -292,7 +294,7 @@ def test_a_rebuilt_rank_that_cannot_store_its_data_stops_every_rank_with_the_rea
 
 # -- mid-flush ----------------------------------------------------------------------------------
 def test_all_ranks_killed_mid_flush(shm_dir, tmp_path, hooks):
-    """tests/lifecycle_job.py (2 ranks, k=1, m=1, every version flushed): every rank dies
+    """tests/harness/lifecycle_job.py (2 ranks, k=1, m=1, every version flushed): every rank dies
     once one file of version 2's flush is written. The disk still names version 1; memory
     holds 2, protected, and the restart resumes from it."""
     persist, out, job = tmp_path / "persist", tmp_path / "out", job_id()

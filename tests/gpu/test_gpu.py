@@ -128,7 +128,7 @@ def test_the_snapshot_copy_runs_beside_the_training_stream_s_kernels(shm_dir):
     e = engine(shm_dir, job)
     try:
         # Allocate and pin both slots first: the first copy into a just-pinned slot holds up
-        # the training thread's kernel launches (README, GPU section).
+        # the training thread's kernel launches (docs/limits.md).
         for version in range(2):
             e.save(state, version).wait_committed()
         products()  # cuBLAS's kernels load lazily (over 100 ms)

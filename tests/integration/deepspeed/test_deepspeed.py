@@ -240,7 +240,7 @@ def test_bad_ftmem_section_fails_at_initialize_with_the_reason(ftmem, message, s
 
 
 def test_the_json_alone_switches_ftmem_on_in_a_script_that_never_mentions_it(shm_dir, tmp_path):
-    """tests/stock_deepspeed_train.py never imports ftmem; "checkpoint": {"engine": "ftmem"}
+    """tests/harness/stock_deepspeed_train.py never imports ftmem; "checkpoint": {"engine": "ftmem"}
     in its JSON installs the adapter (ftmem_guard) before the engine is built. It then
     saves every step into memory, ends (keeping the memory: no persistent tier), loses a
     node, and resumes from memory, rebuilt: losses and weights bitwise those of the same

@@ -1,5 +1,5 @@
 """``ftmem bench soak``, briefly: its RESULT line, and a job that frees its memory at the end.
-(The real soak runs 1,000 iterations; see README "Measured here".)"""
+(The real soak runs 1,000 iterations; see docs/benchmarks.md, `ftmem bench soak`.)"""
 import os
 import re
 import subprocess

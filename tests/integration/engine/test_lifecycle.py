@@ -1,6 +1,6 @@
 """Memory is freed only when the job says it is done (issue 14, findings 5 and 8).
 
-Two ranks on two virtual nodes (k=1, m=1) run tests/lifecycle_job.py, a job on the
+Two ranks on two virtual nodes (k=1, m=1) run tests/harness/lifecycle_job.py, a job on the
 adapter runtime, and end in different ways: real processes, real SMPs, real exits.
 """
 import glob

@@ -9,7 +9,7 @@ torch), load_checkpoint and the blocking maybe_finalize_async_save through the n
 megatron.training.training uses. No process groups exist in the probe, so ftmem's real
 functions (not mocks) are entered and stop where they first need them (parallel_state);
 the traceback shows the dispatch into ftmem_megatron.checkpointing.
-tests/test_megatron_lm.py runs Megatron-LM's whole training loop.
+tests/integration/megatron/test_megatron_lm.py runs Megatron-LM's whole training loop.
 """
 import json
 import os
