@@ -154,8 +154,8 @@ def test_deepspeed_on_the_gpu_resumes_bitwise_after_a_crash(config, shm_dir, tmp
     and final weights equal, bitwise, the same script's uninterrupted run on DeepSpeed's
     default checkpoint engine."""
     pytest.importorskip("deepspeed")
-    from test_deepspeed import ITERS, STOP, TIMEOUT, DSJob, reference
-    from trainjob import assert_same_training
+    from harness.ds_jobs import ITERS, STOP, TIMEOUT, DSJob, reference
+    from harness.toy import assert_same_training
 
     from ftmem import restored_from_memory
 
@@ -179,8 +179,8 @@ def test_deepspeed_ranks_sharing_the_gpu_resume_bitwise_after_losing_a_node(conf
     (the lost node's rebuilt), and losses and final weights equal, bitwise, the same
     script's uninterrupted run on DeepSpeed's default engine, on the same GPU and backend."""
     pytest.importorskip("deepspeed")
-    from test_deepspeed import ITERS, STOP, TIMEOUT, DSJob, reference
-    from trainjob import assert_same_training
+    from harness.ds_jobs import ITERS, STOP, TIMEOUT, DSJob, reference
+    from harness.toy import assert_same_training
 
     from ftmem import restored_from_memory
 
