@@ -61,12 +61,12 @@ def _reference(config, world, root, env, extra):
 
 
 def stock_script(root, name: str, config: dict, env: dict, world: int, job: str, iters: int, *extra) -> LocalJob:
-    """tests/stock_deepspeed_train.py (which never mentions ftmem) with ``config``, in
+    """tests/harness/stock_deepspeed_train.py (which never mentions ftmem) with ``config``, in
     ``root/name``; saves into ``root/name/ckpt``."""
     (root / f"{name}.json").write_text(json.dumps(config))
     out = root / name
     out.mkdir(exist_ok=True)
-    return LocalJob("tests.stock_deepspeed_train", ["--config", str(root / f"{name}.json"), "--save-dir",
+    return LocalJob("tests.harness.stock_deepspeed_train", ["--config", str(root / f"{name}.json"), "--save-dir",
                                                    str(out / "ckpt"), "--iters", str(iters), "--out", str(out),
                                                    *extra], world, job, str(out), env=env)
 

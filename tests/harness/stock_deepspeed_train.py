@@ -1,5 +1,5 @@
 """A DeepSpeed training script as a user writes it: nothing in it knows the checkpoint
-engine, which only the JSON config names (tests/test_deepspeed_json_switch.py).
+engine, which only the JSON config names (tests/integration/deepspeed/test_deepspeed.py::test_the_json_alone_switches_ftmem_on_in_a_script_that_never_mentions_it).
 
     python -m tests.harness.stock_deepspeed_train --config CONFIG.json --save-dir DIR --iters N --out DIR
         [--save-16bit DIR] [--also-save-to DIR]
