@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ftmem import jobs
+from ftmem._shm import jobs
 
 from benchmarks import restore_breakdown
 from examples.launch import report_figures, run_for_figures

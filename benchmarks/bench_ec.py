@@ -17,11 +17,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ftmem import jobs
+from ftmem._shm import jobs
 from ftmem.cli import Parser, positive_int, shm_dir_arg
-from ftmem.codec import Codec
-from ftmem.engine import SnapshotEngine
-from ftmem.slots import DATA, PARITY
+from ftmem._ec.codec import Codec
+from ftmem._engine.engine import SnapshotEngine
+from ftmem._shm.slots import DATA, PARITY
 
 from examples.launch import report_figures, run_for_figures
 

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from ftmem import jobs
+from ftmem._shm import jobs
 
 from benchmarks import restore_breakdown
 from examples.launch import report_figures, run_for_figures

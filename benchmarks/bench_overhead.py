@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-from ftmem import jobs
+from ftmem._shm import jobs
 
 from benchmarks.bench_megatron import model_flags, print_result
 from examples.launch import report_figures, run_for_figures

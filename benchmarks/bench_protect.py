@@ -21,9 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ftmem import jobs
+from ftmem._shm import jobs
 from ftmem.cli import Parser, positive_int, shm_dir_arg
-from ftmem.engine import SnapshotEngine
+from ftmem._engine.engine import SnapshotEngine
 
 from examples.launch import report_figures, run_for_figures
 

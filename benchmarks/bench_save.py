@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from ftmem import jobs
+from ftmem._shm import jobs
 from ftmem.cli import Parser, positive_int, shm_dir_arg
-from ftmem.engine import SnapshotEngine
+from ftmem._engine.engine import SnapshotEngine
 
 
 def model_like_state(total_mb: int) -> dict:

@@ -17,10 +17,10 @@ import sys
 import tempfile
 import time
 
-from ftmem import jobs
+from ftmem._shm import jobs
 from ftmem.cli import Parser, positive_int, shm_dir_arg
-from ftmem.identity import job_root
-from ftmem.procs import pid_alive
+from ftmem._common.identity import job_root
+from ftmem._shm.procs import pid_alive
 
 from examples.launch import report_figures, run_for_figures
 
@@ -68,8 +68,8 @@ def soak_worker(argv=None) -> None:
     import torch
     import torch.distributed as dist
 
-    from ftmem.engine import SnapshotEngine
-    from ftmem.smp_client import running_smp
+    from ftmem._engine.engine import SnapshotEngine
+    from ftmem._shm.smp_client import running_smp
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, required=True)

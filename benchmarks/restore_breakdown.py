@@ -1,6 +1,6 @@
 """Where a load from memory spends its time, as the adapter benchmarks report it (issue 17).
 
-The breakdown is one rank's (:class:`ftmem.restore.RestoreTimes`, which the restore also
+The breakdown is one rank's (:class:`ftmem._engine.restore.RestoreTimes`, which the restore also
 logs). Beside it, measured in the same run, what copying into fresh memory costs on this
 machine against copying into memory already touched: a restore hands out fresh private
 tensors, so its copy pays a page fault per page of them, and on a VM those faults can
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ftmem.restore import RestoreTimes
+from ftmem._engine.restore import RestoreTimes
 
 PHASES = ("agree", "rebuild", "copy", "gather_wait")
 PROBE_BYTES = 256 << 20  # above glibc's mmap threshold: every fresh buffer is new pages

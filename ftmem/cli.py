@@ -18,10 +18,11 @@ import textwrap
 from importlib.metadata import entry_points
 from typing import Optional
 
-from . import jobs, survival
-from .config import SHM_DIR_ADVICE, shm_dir_problem
-from .errors import ConfigError, FtmemError
-from .identity import check_job_id
+from ftmem._shm import jobs
+from ftmem._ec import survival
+from ftmem.config import SHM_DIR_ADVICE, shm_dir_problem
+from ftmem.errors import ConfigError, FtmemError
+from ftmem._common.identity import check_job_id
 
 
 class Parser(argparse.ArgumentParser):
@@ -122,7 +123,7 @@ def _cmd_clean(args) -> int:
 def _cmd_export(args) -> int:
     import torch
 
-    from .export import export
+    from ftmem._disk.export import export
 
     torch.serialization.add_safe_globals(args.admit)
     done = export(args.shm_dir, args.job, args.out, args.version, force=args.force)

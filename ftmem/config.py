@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
-from .errors import ConfigError
-from .identity import JOB_ID_RULE, is_job_id
+from ftmem.errors import ConfigError
+from ftmem._common.identity import JOB_ID_RULE, is_job_id
 
 DP_SHARD_CHOICES = ("auto", "on", "off")
 _ALLOWED = "ftmem.allowed"  # the metadata key of a field's Allowed
@@ -178,7 +178,7 @@ class PersistConfig(_Section):
                 f"interval={self.interval}): every interval-th protected version is flushed to dir."
             )
         # Whether the directory takes files is checked at the job's start
-        # (ftmem.persist.check_writable, which may create it); a file in its place is wrong now.
+        # (ftmem._disk.persist.check_writable, which may create it); a file in its place is wrong now.
         if self.dir and os.path.exists(self.dir) and not os.path.isdir(self.dir):
             raise ConfigError(f'"ftmem.persist.dir" {self.dir!r} is a file, not a directory: point it at a '
                               f"directory (it is created if missing) to flush checkpoints into.")

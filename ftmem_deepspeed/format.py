@@ -15,7 +15,7 @@ from typing import Any
 import deepspeed
 import torch
 
-from ftmem import FrameworkFormat, save_atomically, write_atomically
+from ftmem.adapter import FrameworkFormat, save_atomically, write_atomically
 
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 

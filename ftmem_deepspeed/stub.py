@@ -18,7 +18,7 @@ import pickle
 import torch
 
 import ftmem_guard
-from ftmem import write_atomically
+from ftmem.adapter import write_atomically
 
 _STUB_GLOBAL = (ftmem_guard.__name__, ftmem_guard.ftmem_in_memory_checkpoint_stub.__name__)
 

@@ -1,5 +1,5 @@
 """Which tensors of a restarting DeepSpeed engine a restore from memory writes straight
-into (:mod:`ftmem.destinations`), instead of into fresh memory that DeepSpeed then copies
+into (:mod:`ftmem._state.destinations`), instead of into fresh memory that DeepSpeed then copies
 from: the module's weights, and the ZeRO-1/2 optimizer's fp32 partitions and state. Each
 is named only where ``load_checkpoint`` overwrites it from the checkpoint anyway: the
 module unless a ``custom_load_fn`` decides what to load, and the optimizer only when its
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ftmem import RestoreTargets
+from ftmem.adapter import RestoreTargets
 
 
 def restore_targets(engine, load_optimizer_states: bool, load_module_only: bool,

@@ -3,7 +3,7 @@
 Megatron's RNG (the model-parallel tracker beside the process-wide generators).
 
 With ``--non-persistent-ckpt-type in_memory`` and ``--ckpt-format torch``, a persistent
-save becomes an in-memory snapshot that the persistent tier (:mod:`ftmem.persist`)
+save becomes an in-memory snapshot that the persistent tier (:mod:`ftmem._disk.persist`)
 writes to ``--save`` in the background, once protected: the training loop pays for the
 copy only, as for any snapshot. The files are the ones Megatron-LM's own torch-format
 save writes — ``iter_XXXXXXX/mp_rank_XX[_YYY]/model_optim_rng.pt``, written by DP rank 0
@@ -13,7 +13,7 @@ loads them without ftmem.
 The snapshot carries what those files hold in Megatron's own form: the model's
 ``state_dict_for_save_checkpoint()`` and ``optimizer.state_dict()``. Their tensors are
 the ones the sharded state already holds, which a snapshot stores once
-(:mod:`ftmem.serialize`), so the second form costs nothing but its structure.
+(:mod:`ftmem._state.serialize`), so the second form costs nothing but its structure.
 
 The distributed optimizer's ``distrib_optim.pt`` is the parameter state gathered over
 DP; a snapshot holds each rank's own shard only, so with ``--use-distributed-optimizer``
@@ -29,7 +29,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ftmem import FrameworkFormat, FtmemError, save_atomically
+from ftmem import FtmemError
+from ftmem.adapter import FrameworkFormat, save_atomically
 
 from .arguments import in_memory
 from .sharded_state import Place

@@ -188,7 +188,7 @@ def from_snapshot(template: Any, data: Any, places: dict[str, Place], pieces: Op
 def local_tensors(template: Any, places: dict[str, Any]) -> Any:
     """The local tensors of ``template`` (sharded state dicts built for loading), in the
     structure of a snapshot's data, as far as each sits at the place the snapshot recorded
-    for its path: the tensors a restore may write straight into (:mod:`ftmem.destinations`),
+    for its path: the tensors a restore may write straight into (:mod:`ftmem._state.destinations`),
     which :func:`from_snapshot` then finds holding their values. Factories are left as they
     are (not applied), and what they would build is not named."""
     def walk(node, path):

@@ -10,7 +10,7 @@ import os
 import sys
 import tempfile
 
-from ftmem import jobs
+from ftmem._shm import jobs
 
 from examples.engine.demo import crash_and_lose_node, report, say
 from examples.launch import LocalJob

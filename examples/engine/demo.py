@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from ftmem import jobs
+from ftmem._shm import jobs
 from ftmem.cli import Parser, shm_dir_arg
 
 from examples.launch import LocalJob

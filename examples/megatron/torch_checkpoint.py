@@ -14,7 +14,7 @@ import shutil
 
 import torch
 
-from ftmem import save_atomically
+from ftmem.adapter import save_atomically
 from ftmem_megatron.checkpointing import LoadScope
 from ftmem_megatron.torch_checkpoint import (DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, RELEASE, checkpoint_content,
                                              checkpoint_name, iteration_dir, model_keys, model_state, rank_dir_name,

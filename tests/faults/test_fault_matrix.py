@@ -48,10 +48,11 @@ import torch
 
 from harness.common import job_id, logged
 from harness.ranks import LocalJob, wait_until
-from ftmem import SnapshotEngine, jobs, restored_from_memory
-from ftmem.persist import flushed
-from ftmem.procs import pid_alive
-from ftmem.smp_client import running_smp
+from ftmem import SnapshotEngine, restored_from_memory
+from ftmem._shm import jobs
+from ftmem._disk.persist import flushed
+from ftmem._shm.procs import pid_alive
+from ftmem._shm.smp_client import running_smp
 from harness.toy import TIMEOUT, TrainJob, assert_same_training, reference_run
 
 WORLD, EC = 3, (2, 1)
@@ -75,7 +76,7 @@ def new_job(shm_dir, tmp_path) -> TrainJob:
 
 
 def hook(point, action, version, hook_dir, ranks=ALL) -> dict:
-    """rank_env that sets FTMEM_TEST_HOOK (ftmem/testhooks.py) on ``ranks``."""
+    """rank_env that sets FTMEM_TEST_HOOK (ftmem/_common/testhooks.py) on ``ranks``."""
     return {r: {"FTMEM_TEST_HOOK": f"{point}:{action}:rank={r}:version={version}", "FTMEM_TEST_HOOK_DIR": hook_dir}
             for r in ranks}
 
@@ -324,7 +325,7 @@ def test_a_kill_while_publishing_leaves_the_newest_recorded_checkpoint_on_disk(a
     root = str(tmp_path)
     child = textwrap.dedent(f"""
         import os, shutil, signal
-        from ftmem import persist
+        from ftmem._disk import persist
         def point_at(root, name):
             with open(os.path.join(root, "latest"), "w") as f:
                 f.write(name)

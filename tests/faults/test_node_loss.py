@@ -6,8 +6,8 @@ import pytest
 
 from harness.common import REPO, flip_byte, job_id
 from harness.ranks import LocalJob
-from ftmem import jobs
-from ftmem.slots import PARITY, RankStore
+from ftmem._shm import jobs
+from ftmem._shm.slots import PARITY, RankStore
 from harness.toy import TIMEOUT, TrainJob, reference_run
 
 
@@ -103,7 +103,8 @@ def test_dp_sharding_keeps_a_slice_per_replica_and_off_restores_the_same(shm_dir
 ROUNDS_SCRIPT = """
 import sys
 import torch, torch.distributed as dist
-from ftmem import SnapshotEngine, protect
+from ftmem import SnapshotEngine
+from ftmem._ec import protect
 
 protect.EXCHANGE_ROUND = 4096
 shm_dir, job, k, m, phase = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]

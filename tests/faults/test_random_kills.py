@@ -40,8 +40,8 @@ import pytest
 
 from harness.common import read_json, run_once
 from harness.ranks import LocalJob, wait_until
-from ftmem import jobs
-from ftmem.persist import flushed
+from ftmem._shm import jobs
+from ftmem._disk.persist import flushed
 from harness.ds_jobs import DSJob
 from harness.megatron_jobs import MegatronJob
 from harness.toy import assert_same_training

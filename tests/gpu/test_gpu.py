@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from harness.common import REPO, logged, read_json
-from ftmem import jobs
-from ftmem.engine import SnapshotEngine
+from ftmem._shm import jobs
+from ftmem._engine.engine import SnapshotEngine
 
 pytestmark = [
     pytest.mark.gpu,

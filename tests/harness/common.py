@@ -9,8 +9,9 @@ import subprocess
 import sys
 import uuid
 
-from ftmem import SnapshotEngine, jobs
-from ftmem.procs import cmdline, pid_alive
+from ftmem import SnapshotEngine
+from ftmem._shm import jobs
+from ftmem._shm.procs import cmdline, pid_alive
 
 from . import ranks
 
@@ -26,7 +27,7 @@ def leftover_smps() -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit() and pid_alive(int(entry)):
             args = cmdline(int(entry))
-            if any("ftmem.smp" in a for a in args) and any(TEST_SHM_PREFIX in a for a in args):
+            if any("ftmem._shm.smp" in a for a in args) and any(TEST_SHM_PREFIX in a for a in args):
                 pids.append(int(entry))
     return pids
 
@@ -103,6 +104,6 @@ ANY = "\x00"  # in a contract line given to logged(): any text
 
 
 def logged(line: str, text: str) -> bool:
-    """Whether ``text`` (a rank's log) holds ``line``, a contract line as ftmem.logs formats it
+    """Whether ``text`` (a rank's log) holds ``line``, a contract line as ftmem._common.logs formats it
     (``restored_from_memory(...)``, ``restored_from_disk(...)``), where ANY stands for any text."""
     return re.search(".*?".join(map(re.escape, line.split(ANY))) + "$", text, re.MULTILINE) is not None

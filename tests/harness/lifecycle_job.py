@@ -30,8 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ftmem import (DISK, MEMORY, AdapterRuntime, FrameworkFormat, FtmemConfig, OtherWorlds, ParallelLayout,
-                   Resumption, flushed, save_atomically, write_atomically)
+from ftmem import FtmemConfig, ParallelLayout
+from ftmem.adapter import DISK, MEMORY, AdapterRuntime, FrameworkFormat, OtherWorlds, Resumption, flushed, save_atomically, write_atomically
 
 
 class TensorFiles(FrameworkFormat):

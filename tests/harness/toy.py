@@ -8,7 +8,8 @@ import torch
 from harness.common import job_id, logged
 from examples.engine.demo import read_losses
 from harness.ranks import LocalJob
-from ftmem import jobs, restored_from_memory
+from ftmem import restored_from_memory
+from ftmem._shm import jobs
 
 ITERS, TIMEOUT = 10, 240
 

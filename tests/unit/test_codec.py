@@ -4,7 +4,7 @@ import numpy as np
 import pyeclib.ec_iface
 import pytest
 
-from ftmem.codec import CHUNK, Codec
+from ftmem._ec.codec import CHUNK, Codec
 from ftmem.errors import FtmemError
 
 rng = np.random.default_rng(7)

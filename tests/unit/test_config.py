@@ -4,7 +4,7 @@ import pytest
 
 from ftmem.config import FtmemConfig
 from ftmem.errors import ConfigError
-from ftmem.identity import RankIdentity, resolve_job_id
+from ftmem._common.identity import RankIdentity, resolve_job_id
 
 
 def test_defaults_fit_the_node_count():

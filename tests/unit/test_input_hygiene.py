@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from harness.common import job_id, run_cli
-from ftmem import ConfigError, FtmemConfig, SnapshotEngine, cli, jobs
-from ftmem.identity import RankIdentity, resolve_job_id, root_dir
+from ftmem import ConfigError, FtmemConfig, SnapshotEngine, cli
+from ftmem._shm import jobs
+from ftmem._common.identity import RankIdentity, resolve_job_id, root_dir
 from ftmem_megatron.arguments import validate_ftmem_args
 from test_megatron_args import IN_MEMORY, parse
 

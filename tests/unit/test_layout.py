@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ftmem.plan import ALIGN, SnapshotPlan
+from ftmem._state.plan import ALIGN, SnapshotPlan
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5])

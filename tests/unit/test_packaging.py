@@ -12,8 +12,16 @@ OWN_NAMES = {"ftmem", "ftmem_deepspeed", "ftmem_megatron", "ftmem_guard"}
 
 
 def test_the_wheel_installs_no_top_level_name_but_ftmem_s_own(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), REPO],
-                   check=True, capture_output=True, timeout=300)
+    """Built from the project's files alone, as a fresh clone holds them (a checkout's own
+    build/ folder may hold what an older build put there)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    source = tmp_path / "source"
+    for name in tracked:
+        if os.path.isfile(os.path.join(REPO, name)):
+            os.makedirs(source / os.path.dirname(name), exist_ok=True)
+            shutil.copy2(os.path.join(REPO, name), source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path),
+                    str(source)], check=True, capture_output=True, timeout=300)
     [wheel] = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
     with zipfile.ZipFile(tmp_path / wheel) as z:
         top = {name.split("/")[0] for name in z.namelist() if not name.split("/")[0].endswith(".dist-info")}

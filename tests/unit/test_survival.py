@@ -7,8 +7,8 @@ import pytest
 
 from harness.common import run_cli
 from ftmem.errors import ConfigError
-from ftmem.placement import ec_groups
-from ftmem.survival import (MAX_DRAWS, MAX_FAILURES, _ring_survivable, ec_overhead, ec_survival, loss_per_day,
+from ftmem._ec.placement import ec_groups
+from ftmem._ec.survival import (MAX_DRAWS, MAX_FAILURES, _ring_survivable, ec_overhead, ec_survival, loss_per_day,
                             mc_tolerance, monte_carlo, replication_groups, replication_survival)
 
 

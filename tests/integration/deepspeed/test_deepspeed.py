@@ -14,7 +14,8 @@ import torch
 
 from harness.common import ANY, free_shm_dir, job_id, logged, new_shm_dir, run_cli
 from harness.ranks import LocalJob, free_port, wait_until
-from ftmem import jobs, restored_from_disk, restored_from_memory
+from ftmem import restored_from_disk, restored_from_memory
+from ftmem._shm import jobs
 from ftmem_deepspeed.checkpoint_engine import is_stub
 from harness.ds_jobs import (CONFIGS, ENV, ITERS, STOCK_ENV, STOP, TIMEOUT, DSJob, config_pair, reference,
                              stock_deepspeed_load, stock_script)

@@ -7,9 +7,9 @@ import sys
 
 from harness.common import leftover_smps
 
-from ftmem import jobs
-from ftmem.identity import root_dir
-from ftmem.procs import cmdline
+from ftmem._shm import jobs
+from ftmem._common.identity import root_dir
+from ftmem._shm.procs import cmdline
 
 KEYS = {"iters", "rank_rss_growth_mb", "smp_rss_growth_mb", "shm_growth_mb", "thread_growth", "fd_growth",
         "socket_growth", "seconds_per_iter_s", "smp_left", "shm_left_mb"}

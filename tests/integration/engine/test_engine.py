@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from harness.common import flip_byte, job_id, make_engine, run_cli
-from ftmem import (ConfigError, CorruptShard, FrameworkFormat, LayoutMismatch, NoRecoverableVersion, ParallelLayout,
-                   ShmBudgetError, SnapshotEngine, TensorPlace, UnsupportedTensor, flushed, integrity)
-from ftmem.persist import Flusher
-from ftmem.plan import SnapshotPlan
-from ftmem.procs import pid_alive
-from ftmem.smp_client import running_smp
+from ftmem import ConfigError, CorruptShard, LayoutMismatch, NoRecoverableVersion, ParallelLayout, ShmBudgetError, SnapshotEngine, UnsupportedTensor
+from ftmem.adapter import FrameworkFormat, TensorPlace, flushed
+from ftmem._shm import integrity
+from ftmem._disk.persist import Flusher
+from ftmem._state.plan import SnapshotPlan
+from ftmem._shm.procs import pid_alive
+from ftmem._shm.smp_client import running_smp
 
 
 
@@ -183,7 +184,7 @@ def test_a_plan_is_reused_only_while_every_tensor_keeps_its_dtype_shape_and_kind
 def test_the_garbage_collector_is_deferred_only_inside_the_block():
     import gc
 
-    from ftmem import collection_deferred
+    from ftmem.adapter import collection_deferred
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError), collection_deferred():
@@ -274,7 +275,7 @@ def small_tmpfs():
     try:
         yield path
     finally:
-        from ftmem import jobs
+        from ftmem._shm import jobs
         for job in jobs.list_jobs(path):
             jobs.clean(path, job)
         # An SMP that just exited can keep the mount busy for a moment: retry, bounded.
@@ -400,7 +401,7 @@ def test_a_layout_that_does_not_fit_the_world_is_refused(shm_dir):
 def test_a_tensor_and_its_detached_alias_are_stored_once():
     """A state that carries the same tensors twice (a sharded form and state_dict()'s
     detached views) costs their bytes once; different views stay apart."""
-    from ftmem.serialize import join_state, split_state
+    from ftmem._state.serialize import join_state, split_state
 
     weight = torch.nn.Parameter(torch.randn(4, 3))
     state = {"sharded": {"w": weight}, "state_dict": {"w": weight.detach()}, "row": weight[1], "empty": [

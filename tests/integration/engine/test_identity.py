@@ -13,8 +13,9 @@ import sys
 
 from harness.common import REPO, job_id, logged
 from harness.ranks import LocalJob, free_port, wait_until
-from ftmem import jobs, restored_from_memory
-from ftmem.procs import cmdline, pid_alive
+from ftmem import restored_from_memory
+from ftmem._shm import jobs
+from ftmem._shm.procs import cmdline, pid_alive
 
 CONFIGS = os.path.join(REPO, "configs")
 TIMEOUT = 300

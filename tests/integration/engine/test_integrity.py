@@ -12,11 +12,12 @@ import torch
 
 from harness.common import flip_byte, job_id, make_engine, run_cli
 from harness.ranks import wait_until
-from ftmem import NotRecoverableFromMemory, testhooks
-from ftmem.checksum import DATA_CHUNK, checksum, data_checksum
-from ftmem.procs import pid_alive
-from ftmem.slots import PARITY, RankStore
-from ftmem.smp_client import running_smp
+from ftmem import NotRecoverableFromMemory
+from ftmem._common import testhooks
+from ftmem._state.checksum import DATA_CHUNK, checksum, data_checksum
+from ftmem._shm.procs import pid_alive
+from ftmem._shm.slots import PARITY, RankStore
+from ftmem._shm.smp_client import running_smp
 from harness.toy import TIMEOUT, TrainJob, reference_run
 
 WORLD = 3
@@ -51,7 +52,7 @@ def right_after_its_commit(monkeypatch, engine, version, change):
     Older ftmem had the SMP checksum ("seal", a ``*.seal`` file) a version after its commit,
     so bytes changed in this window were sealed as they were, or never if the SMP was down;
     now the writer's checksum is in the marker before it exists (the ``after_commit`` test
-    hook of ftmem.commit), and nothing takes one later. Returns a list that holds the
+    hook of ftmem._engine.commit), and nothing takes one later. Returns a list that holds the
     version's commit record, as found in the window, once the window was reached."""
     seen = []
     real = testhooks.at

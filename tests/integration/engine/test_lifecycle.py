@@ -13,12 +13,13 @@ import pytest
 
 from harness.common import flip_byte, job_id, logged
 from harness.ranks import LocalJob, wait_until
-from ftmem import LayoutMismatch, jobs, restored_from_memory
-from ftmem.elastic import line_of_jobs
-from ftmem.identity import job_root
-from ftmem.persist import MANIFEST
-from ftmem.slots import RankStore
-from ftmem.smp_client import running_smp, stop_smp
+from ftmem import LayoutMismatch, restored_from_memory
+from ftmem._shm import jobs
+from ftmem._engine.elastic import line_of_jobs
+from ftmem._common.identity import job_root
+from ftmem._disk.persist import MANIFEST
+from ftmem._shm.slots import RankStore
+from ftmem._shm.smp_client import running_smp, stop_smp
 
 TIMEOUT = 120
 

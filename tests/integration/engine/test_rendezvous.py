@@ -13,7 +13,8 @@ from harness.ranks import free_port
 RANK_SCRIPT = textwrap.dedent("""
     import sys
     import torch.distributed as dist
-    from ftmem import CollectiveNotJoined, everyone_joins
+    from ftmem import CollectiveNotJoined
+    from ftmem.adapter import everyone_joins
 
     rank, init_method, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)

@@ -27,13 +27,14 @@ import pytest
 import torch
 
 from harness.common import job_id, make_engine, run_cli
-from ftmem import ConfigError, SmpError, SnapshotEngine, UnadmittedType, UnsafeSharedMemory, jobs
-from ftmem.checksum import with_checksum
-from ftmem.identity import root_dir
-from ftmem.procs import pid_alive
-from ftmem.slots import CommitRecord, decode_record, encode_record
-from ftmem.smp import smp_address
-from ftmem.smp_client import bound_waits, running_smp
+from ftmem import ConfigError, SmpError, SnapshotEngine, UnadmittedType, UnsafeSharedMemory
+from ftmem._shm import jobs
+from ftmem._state.checksum import with_checksum
+from ftmem._common.identity import root_dir
+from ftmem._shm.procs import pid_alive
+from ftmem._shm.slots import CommitRecord, decode_record, encode_record
+from ftmem._shm.smp import smp_address
+from ftmem._shm.smp_client import bound_waits, running_smp
 
 NOBODY = pwd.getpwnam("nobody")
 BOUND_S = 30  # any wait here longer than this is a hang

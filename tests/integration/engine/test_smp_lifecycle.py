@@ -17,9 +17,9 @@ import torch
 from harness.common import job_id, make_engine, run_cli
 from harness.ranks import wait_until
 from ftmem import FtmemError, SmpError
-from ftmem import identity
-from ftmem.procs import pid_alive
-from ftmem.smp_client import running_smp
+from ftmem._common import identity
+from ftmem._shm.procs import pid_alive
+from ftmem._shm.smp_client import running_smp
 
 BOUND_S = 2  # FTMEM_SMP_TIMEOUT_S in these tests
 HANG_S = 60  # a wait this long, where BOUND_S was promised, is a hang
@@ -112,7 +112,8 @@ print("restored", e.restore().version)
 RANK_SCRIPT = textwrap.dedent("""
     import os, sys, time, traceback
     import torch, torch.distributed as dist
-    from ftmem import SnapshotEngine, testhooks
+    from ftmem import SnapshotEngine
+    from ftmem._common import testhooks
 
     rank, shm_dir, job, flags, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 
@@ -269,7 +270,7 @@ def test_keepalives_carry_a_request_past_the_bound_and_silence_does_not(shm_dir,
     import socket
     from multiprocessing.connection import Connection
 
-    from ftmem import smp, smp_client
+    from ftmem._shm import smp, smp_client
 
     monkeypatch.setattr(smp, "KEEPALIVE_S", 0.05)
     manager = smp.SnapshotManager(shm_dir, [0])
@@ -295,7 +296,7 @@ def test_ranks_of_a_node_that_finish_at_once_all_get_their_answer(shm_dir, tmp_p
     failed with SharedMemoryRemoved (seen under load in
     test_node_loss.py::test_two_ranks_per_node_lose_a_node). Here rank 0's thread is held
     between its marker and its count while rank 1 finishes: one answer says "last"."""
-    from ftmem.smp_client import SmpClient
+    from ftmem._shm.smp_client import SmpClient
 
     monkeypatch.setenv("FTMEM_TEST_HOOK", "smp_finished:hold:rank=0:version=-1")  # the SMP inherits it
     monkeypatch.setenv("FTMEM_TEST_HOOK_DIR", str(tmp_path))

@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-from ftmem import jobs, restored_from_disk, restored_from_memory
+from ftmem import restored_from_disk, restored_from_memory
+from ftmem._shm import jobs
 from harness.common import ANY, logged, read_json, run_cli
 from harness.megatron_jobs import ITERS, STOP, TIMEOUT, MegatronJob, reference
 

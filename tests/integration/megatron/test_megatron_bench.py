@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from benchmarks import restore_breakdown
-from ftmem import jobs
+from ftmem._shm import jobs
 
 KEYS = {"ftmem_save_s", "torch_save_s", "save_vs_torch_x", "ftmem_restore_s", "torch_restore_s",
         "restore_vs_torch_x", "persist_save_s", "persist_vs_memory_save_x", "flush_s", "flush_gbps",

@@ -30,7 +30,8 @@ import torch
 from harness.common import ANY, REPO, job_id, logged, run_once
 from harness.megatron_jobs import TREES
 from harness.ranks import LocalJob
-from ftmem import jobs, restored_from_disk, restored_from_memory
+from ftmem import restored_from_disk, restored_from_memory
+from ftmem._shm import jobs
 
 ITERS, PAUSED, TIMEOUT = 8, 5, 240
 # Megatron-LM's flags for its CPU-capable paths (ftmem_megatron.megatron_lm_cpu), and a tiny GPT.

@@ -1,0 +1,221 @@
+"""``ftmem export``: write a version the SMPs hold to disk in the framework's own
+checkpoint layout, on demand — e.g. before a planned shutdown, or to keep a version
+that is about to be overwritten.
+
+Export reads shared memory only, so it works whether the training processes are
+alive, killed or gone: each rank's data comes from its node's slots (checked against
+their checksums), and the DP-sharded replicated state is joined back from the
+replicas' slices. It reads one rank at a time, so it holds about one rank's state in
+memory. Every node directory of the job must be visible in the shared-memory
+directory (one host's virtual nodes, or node directories gathered there); a lost
+node's ranks are rebuilt from parity by a restarted job, not by export.
+
+The layout on disk is the framework's: every version names its
+:class:`~ftmem._disk.format.FrameworkFormat` in its commit record, whose ``write_group`` writes
+one DP group's files and whose ``publish`` points the framework at the result. The directory is written under a temporary name and renamed when complete, as the
+persistent tier's flushes are (:func:`ftmem._disk.persist.publish`). Unless forced, export
+refuses, before it reads the version's data or writes anything, an output directory that
+already holds the checkpoint directory or a pointer file it would replace.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, TextIO
+
+import torch
+
+from ftmem._shm import integrity
+from ftmem._shm import jobs
+from ftmem._state.copier import joined_stream, read_from_slot
+from ftmem.errors import CorruptShard, FtmemError
+from ftmem._disk.format import FrameworkFormat, format_named
+from ftmem._disk.persist import publish
+from ftmem._state.serialize import join_state
+from ftmem._shm.slots import CommitRecord, RankStore
+
+
+@dataclass
+class Exported:
+    path: str
+    version: int
+    nbytes: int  # bytes written
+    seconds: float
+
+
+class Progress:
+    """A progress bar over the bytes read from shared memory (at most every rank's), with
+    what is written so far and the rate; redrawn in place on a terminal, a line per 10%
+    otherwise."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, out: TextIO = sys.stderr):
+        self.total, self.out = max(total, 1), out
+        self.read = self.written = 0
+        self.started = time.monotonic()
+        self._tty = out.isatty()
+        self._last_tenth = -1
+
+    def add(self, read: int = 0, written: int = 0) -> None:
+        self.read += read
+        self.written += written
+        fraction = min(self.read / self.total, 1.0)
+        if not self._tty and int(fraction * 10) == self._last_tenth:
+            return
+        self._last_tenth = int(fraction * 10)
+        filled = int(fraction * self.WIDTH)
+        rate = self.written / max(time.monotonic() - self.started, 1e-9) / 1e9
+        line = (f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {fraction:4.0%}  read {self.read / 2**20:.1f} of "
+                f"{self.total / 2**20:.1f} MiB, written {self.written / 2**20:.1f} MiB, {rate:.2f} GB/s")
+        self.out.write(("\r" + line) if self._tty else line + "\n")
+        self.out.flush()
+
+    def end(self) -> None:
+        """The last line, at 100%: ``total`` counts every rank's bytes, and a format may need
+        fewer (Megatron's file of a DP group holds DP rank 0's state alone, most often)."""
+        if 0 < self.read < self.total:
+            self.total, self._last_tenth = self.read, -1
+            self.add()
+        if self._tty:
+            self.out.write("\n")
+
+
+class _HeldJob:
+    """A job's ranks as its node directories hold them."""
+
+    def __init__(self, shm_dir: str, job: str):
+        nodes = jobs.node_dirs(shm_dir, job)
+        if not nodes:
+            present = ", ".join(jobs.list_jobs(shm_dir)) or "none"
+            raise FtmemError(f"no job {job!r} in {shm_dir} (jobs there: {present}). Name the job with --job, and "
+                             f"the shared-memory directory it runs in with --shm-dir.")
+        self.job = job
+        self.stores = {rank: RankStore(path, rank) for _, path in nodes for rank in jobs.node_ranks(path)}
+        if not self.stores:
+            raise FtmemError(f"job {job}'s node directories in {shm_dir} name no ranks: no training process of it "
+                             f"has started there. Nothing to export.")
+
+    def choose(self, version: Optional[int]) -> tuple[int, CommitRecord]:
+        """The version to export (the newest every rank holds, unless named) and rank 0's record of it."""
+        held = {rank: set(store.committed()) for rank, store in self.stores.items()}
+        common = set.intersection(*held.values())
+        if version is None and not common:
+            raise FtmemError(f"job {self.job}: no version is held by every rank "
+                             f"({self._describe(held)}); nothing complete to export.")
+        version = max(common) if version is None else version
+        if version not in common:
+            raise FtmemError(f"job {self.job} does not hold version {version} on every rank ({self._describe(held)}); "
+                             f"versions held by all: {sorted(common) or 'none'}.")
+        record = self.stores[min(self.stores)].read_commit(version)
+        world = sorted(rank for group in record.layout.dp_groups for rank in group)
+        missing = sorted(set(world) - set(self.stores))
+        if missing:
+            raise FtmemError(f"job {self.job}: ranks {missing} have no node directory here (their node's memory is "
+                             f"gone or elsewhere). Export reads every rank from shared memory; restart the job to "
+                             f"rebuild lost nodes from parity, or use its newest disk checkpoint.")
+        return version, record
+
+    @staticmethod
+    def _describe(held: dict[int, set]) -> str:
+        return "; ".join(f"rank {r}: {sorted(v) or 'none'}" for r, v in sorted(held.items()))
+
+
+def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
+           progress_to: TextIO = sys.stderr, force: bool = False) -> Exported:
+    """Write ``version`` of ``job`` (default: the newest every rank holds) into ``out``
+    in the framework's layout; returns where, what and how fast. ``force``: replace the
+    checkpoint directory and pointer files ``out`` already holds (refused otherwise)."""
+    held = _HeldJob(shm_dir, job)
+    version, first = held.choose(version)
+    writer = _format_of(first)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FtmemError(f"--out {out!r} is a file: name a directory to write the checkpoint into (it is created if "
+                         f"missing).")
+    if not force:
+        _refuse_to_replace(out, writer.checkpoint_name(version, join_state(first.skeleton, _NoTensors())), writer,
+                           version)
+    records: dict[int, CommitRecord] = {}
+    for rank, store in held.stores.items():
+        try:
+            records[rank] = integrity.verify(store, version)
+        except CorruptShard as e:
+            raise FtmemError(f"job {job} version {version} cannot be exported: {e} Export an older version "
+                             f"(--version), or restart the job to rebuild it from parity.") from e
+    progress = Progress(sum(r.plan.nbytes for r in records.values()), progress_to)
+
+    def read_state(rank: int) -> Any:
+        record = records[rank]
+        group = record.layout.dp_group_of(rank) if record.plan.shard is not None else (rank,)
+        with contextlib.ExitStack() as mapped:
+            slots = {}
+            for r in group:
+                mm = mapped.enter_context(held.stores[r].map_slot(records[r].slot, writable=True))  # only read;
+                slots[r] = torch.frombuffer(mm, dtype=torch.uint8)  # writable spares a copy
+            replicas = [(slots[r], records[r].plan) for r in group]
+            tensors = read_from_slot(slots[rank], record.plan, torch.device("cpu"),
+                                     functools.partial(joined_stream, replicas))
+            del slots, replicas  # the maps close with no view left
+        # A slot's commit marker goes before it is overwritten: if every marker is still
+        # there, what was read is the version.
+        overwritten = [r for r in group if held.stores[r].committed().get(version) != records[r].slot]
+        if overwritten:
+            raise FtmemError(f"job {job} overwrote version {version} of ranks {overwritten} while it was being "
+                             f"exported (the job keeps saving). Export a newer version, or stop the job first.")
+        progress.add(read=record.plan.nbytes)
+        return join_state(record.skeleton, tensors)
+
+    staging = f".export-v{version}.tmp"
+    shutil.rmtree(os.path.join(out, staging), ignore_errors=True)  # an export that was interrupted
+    try:
+        os.makedirs(os.path.join(out, staging))  # and out, if missing
+    except OSError as e:
+        raise FtmemError(f"cannot write into --out {out!r} ({e.strerror or e}): name a directory this user can "
+                         f"write (it is created if missing).") from e
+    started = time.monotonic()
+    try:
+        names = {writer.write_group(group, read_state, os.path.join(out, staging), lambda n: progress.add(written=n))
+                 for group in first.layout.dp_groups}
+    finally:
+        progress.end()
+    name, = names
+    publish(out, staging, name, version, writer.publish, keep=None)
+    return Exported(os.path.join(out, name), version, progress.written, time.monotonic() - started)
+
+
+class _NoTensors:
+    """Stands in for a version's tensors where only its other values are read (its
+    checkpoint name, from the skeleton alone)."""
+
+    def __getitem__(self, index: int) -> None:
+        return None
+
+
+def _refuse_to_replace(out: str, name: str, writer: FrameworkFormat, version: int) -> None:
+    """Refuse to export into ``out`` if it holds the checkpoint directory ``name`` or a
+    pointer file that publishing would replace. Which files are pointers only the format
+    knows (DeepSpeed's ``latest``, Megatron's tracker file): they are found by
+    publishing into an empty scratch directory."""
+    if not os.path.isdir(out):
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        writer.publish(scratch, name)
+        written = {name, *os.listdir(scratch)}
+    clash = sorted(written & set(os.listdir(out)))
+    if clash:
+        raise FtmemError(f"--out {out!r} already holds {', '.join(clash)}, which exporting version {version} would "
+                         f"replace. Name another directory, or pass --force to replace them.")
+
+
+def _format_of(record: CommitRecord) -> FrameworkFormat:
+    """The framework format that writes this version, as its commit record names it."""
+    if record.format is None:
+        raise FtmemError("this job's snapshots name no framework format to export to (they were saved through "
+                         "the engine directly, not through the DeepSpeed or Megatron adapter).")
+    return format_named(record.format)

@@ -1,0 +1,212 @@
+"""The persistent tier: protected versions flushed to disk in the background, in the
+framework's own checkpoint layout, for the failures memory cannot survive.
+
+Every ``persist.interval``-th protected version, and every version an adapter asks for
+(Megatron's persistent saves), the engine hands the :class:`Flusher` a
+private, whole copy of the version (the DP-sharded replicated state gathered back from
+the replicas), so a flush never holds a slot that a newer save needs. If a flush is
+still running on any rank when the next one is due, that version is skipped and
+logged: flushes never queue. A flush writes this rank's files through the adapter's
+:class:`~ftmem._disk.format.FrameworkFormat` into ``<dir>/.<name>.tmp``; once every rank has written its part
+(an all-reduce on the flusher's own gloo group), rank 0 renames it to ``<dir>/<name>``,
+updates the framework's pointer (DeepSpeed's ``latest``, Megatron's
+``latest_checkpointed_iteration.txt``) and deletes the oldest flushes beyond ``keep``.
+A crash before the rename leaves the previous checkpoint the newest valid one.
+
+The flushing runs in a thread of each training process rather than in the SMP:
+writing a DP replica's files needs the replicated state the other replicas hold, and
+only the training processes have the process groups to gather it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ftmem._common import testhooks
+from ftmem.errors import ConfigError, FtmemError
+from ftmem._disk.format import FrameworkFormat
+from ftmem._common.logs import job_info, rank_error, rank_info
+from ftmem._common.parallel import destroy_groups
+from ftmem._shm.slots import write_atomically
+
+MANIFEST = "ftmem_flushed.json"  # what this tier completed, oldest first: [{"name", "version"}]
+PROGRESS_EVERY_S = 5.0
+
+
+def save_atomically(obj: Any, path: str) -> None:
+    """torch.save ``obj`` to ``path`` under a temporary name, then rename: a reader sees
+    the whole file or none."""
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def check_writable(root: str) -> None:
+    """The persist dir exists (or can be made) and takes files: found now, at start,
+    rather than by every flush failing later."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".ftmem-write-test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"the persistent tier's directory {root!r} (\"ftmem.persist.dir\", Megatron's --save) "
+                          f"cannot hold checkpoints ({e.strerror or e}): point it at a directory this user can "
+                          f"write.") from e
+
+
+def flushed(root: str) -> list[dict]:
+    """The checkpoints this tier completed under ``root``, oldest first:
+    ``{"name": directory name, "version": version}``."""
+    try:
+        with open(os.path.join(root, MANIFEST)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return []
+
+
+class Flusher:
+    """One rank's side of the persistent tier. Construction is collective (a gloo group)."""
+
+    def __init__(self, root: str, interval: int, keep: Optional[int], format: FrameworkFormat, rank: int,
+                 first_replica: bool, world_size: int):
+        """``first_replica``: this rank writes the files its DP replicas hold alike."""
+        self.root, self.interval, self.keep, self.format, self.rank = root, interval, keep, format, rank
+        self.first_replica = first_replica
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._protected = 0
+        self._thread: Optional[threading.Thread] = None
+        self.last_flush: Optional[tuple[int, float]] = None  # (bytes this rank wrote, seconds), for benchmarks
+        self.flushed_version: Optional[int] = None  # the newest version this job wrote to disk
+        self._failure: Optional[str] = None  # why the last flush failed, until one succeeds
+        check_writable(root)
+
+    def due(self, asked: bool) -> bool:
+        """Called once per protected version, in the same order on every rank: whether to
+        flush it — ``asked`` for this version by the adapter, or the interval-th one."""
+        self._protected += 1
+        return asked or (self.interval > 0 and self._protected % self.interval == 0)
+
+    def close(self) -> None:
+        """Destroy the tier's gloo group and let go of it (the engine is closed: no flush follows)."""
+        destroy_groups(self._group)
+        self._group = None
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, version: int, state: Any) -> None:
+        self._thread = threading.Thread(target=self._flush, args=(version, state), name="ftmem-flush", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def raise_failure(self) -> None:
+        """Raise if the last flush failed: what it was to write is in memory only."""
+        if self._failure is not None:
+            raise FtmemError(self._failure)
+
+    def _flush(self, version: int, state: Any) -> None:
+        try:
+            self._write_and_publish(version, state)
+        except Exception as e:  # a collective broke (a peer died mid-flush): recorded, never a dead thread
+            self._record_failure(version, f"the flush stopped: {e}")
+
+    def _write_and_publish(self, version: int, state: Any) -> None:
+        """Every rank writes its files into a staging directory; rank 0 publishes them once
+        every rank wrote, and every rank learns whether it did. Each step's failure is
+        agreed on, so that the ranks run the same collectives and reach the same verdict."""
+        name = self.format.checkpoint_name(version, state)
+        staging = os.path.join(self.root, f".{name}.tmp")
+        written, started = 0, time.monotonic()
+        reported = started
+
+        def wrote(nbytes: int) -> None:
+            nonlocal written, reported
+            written += nbytes
+            testhooks.at("mid_flush", self.rank, version)
+            now = time.monotonic()
+            if now - reported >= PROGRESS_EVERY_S:
+                reported = now
+                rank_info(self.rank, "flushing version %d: %.1f MiB written, %.2f GB/s", version, written / 2**20,
+                          written / (now - started) / 1e9)
+
+        if self.rank == 0:  # what a flush of the same name left when it was killed midway
+            shutil.rmtree(staging, ignore_errors=True)
+        if self._group is not None:
+            dist.barrier(group=self._group)
+        try:
+            os.makedirs(staging, exist_ok=True)
+            self.format.write_rank(state, staging, self.rank, self.first_replica, wrote)
+            ok = True
+        except Exception as e:  # a disk problem must not kill training: memory still protects it
+            rank_error(self.rank, "could not flush version %d to %s: %s", version, staging, e)
+            ok = False
+        if not self._everyone(ok):
+            return self._record_failure(version, "a rank failed to write it; see the log")
+        seconds = time.monotonic() - started
+        published = True
+        if self.rank == 0:
+            try:
+                publish(self.root, os.path.basename(staging), name, version, self.format.publish, self.keep)
+            except Exception as e:
+                rank_error(self.rank, "could not publish version %d in %s: %s", version, self.root, e)
+                published = False
+        if not self._everyone(published):
+            return self._record_failure(version, "rank 0 failed to publish it; see the log")
+        self.last_flush, self.flushed_version, self._failure = (written, seconds), version, None
+        rank_info(self.rank, "flushed version %d to %s: %.1f MiB in %.2f s (%.2f GB/s)", version,
+                  os.path.join(self.root, name), written / 2**20, seconds, written / max(seconds, 1e-9) / 1e9)
+
+    def _everyone(self, ok: bool) -> bool:
+        """Whether every rank of the tier says ``ok`` (collective)."""
+        if self._group is None:
+            return ok
+        everyone_ok = torch.tensor([int(ok)], dtype=torch.int64)
+        dist.all_reduce(everyone_ok, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(everyone_ok.item())
+
+    def _record_failure(self, version: int, why: str) -> None:
+        """What it was to write is in memory only: :meth:`raise_failure` says so from now on."""
+        try:
+            done = flushed(self.root)
+            newest = done[-1]["name"] if done else "no checkpoint"
+        except (OSError, ValueError) as e:  # the directory gone or replaced, the manifest damaged
+            newest = f"whatever it held (its manifest cannot be read: {getattr(e, 'strerror', None) or e})"
+        self._failure = (f"the persistent tier could not write version {version} to {self.root} ({why}); {newest} "
+                         f"stays the newest on disk. Fix the disk, or export the version from memory with "
+                         f"`ftmem export`.")
+        job_info("version %d was not flushed (%s); %s stays the newest on disk", version, why, newest)
+
+
+def publish(root: str, staging: str, name: str, version: int, point_at: Callable[[str, str], None],
+            keep: Optional[int]) -> None:
+    """Make the complete directory ``<root>/<staging>`` the checkpoint ``<root>/<name>``:
+    rename it, point the framework at it (``point_at(root, name)``), record it in the
+    manifest and delete the oldest beyond ``keep`` (None: keep all)."""
+    final = os.path.join(root, name)
+    if os.path.isdir(final):  # the same version written again (a restarted job): the new one wins
+        aside = os.path.join(root, f".{name}.old")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(os.path.join(root, staging), final)
+        shutil.rmtree(aside)
+    else:
+        os.rename(os.path.join(root, staging), final)
+    point_at(root, name)
+    done = [c for c in flushed(root) if c["name"] != name] + [{"name": name, "version": version}]
+    retired, kept = (done[:-keep], done[-keep:]) if keep else ([], done)
+    # The manifest first: a kill in between must leave it naming directories that exist
+    # (a restart that memory cannot serve loads its newest entry), at worst a stale one on disk.
+    write_atomically(os.path.join(root, MANIFEST), json.dumps(kept).encode())
+    for old in retired:
+        shutil.rmtree(os.path.join(root, old["name"]), ignore_errors=True)

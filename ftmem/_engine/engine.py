@@ -1,0 +1,311 @@
+"""The public engine: snapshot a rank's state into its node's shared memory, protect
+it with erasure coding across nodes, and restore it after a crash.
+
+Typical loop (the copy overlaps the next forward/backward)::
+
+    engine = SnapshotEngine(FtmemConfig.from_dict(cfg))
+    restored = engine.restore()                  # None on a fresh start
+    for it in range(start, iters):
+        loss = model(batch).backward()           # reads the parameters only
+        if handle: handle.wait_reusable()        # the step may now overwrite the state
+        optimizer.step()
+        handle = engine.save(state_dict(), it)   # returns at once; copies in the background
+    engine.close(job_finished=True)              # frees the node's memory once all ranks finish
+
+The engine is a facade over parts with one job each: :class:`~ftmem._shm.slot_memory.SlotMemory`
+(mapped slots), :class:`~ftmem._engine.commit.Committer` (the commit protocol, on a background
+thread), :class:`~ftmem._engine.restore.Restorer` (version agreement, rebuild, DP gather) and
+:mod:`ftmem._shm.integrity` (checksums).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ftmem._engine.commit import Committer
+from ftmem.config import FtmemConfig
+from ftmem._state.copier import capture_cuda_order
+from ftmem._state.destinations import RestoreTargets
+from ftmem.errors import FtmemError
+from ftmem._engine.handle import SaveHandle
+from ftmem._common.identity import RankIdentity
+from ftmem._common.logs import rank_warning
+from ftmem._engine.ownership import refuse_another_node_layout, refuse_foreign_versions
+from ftmem._common.parallel import ParallelLayout, destroy_groups, make_dp_groups
+from ftmem._disk.persist import Flusher
+from ftmem._ec.placement import ec_groups
+from ftmem._state.plan import Planner
+from ftmem._ec.protect import ColumnCoder, Topology, make_column_groups, piece_size
+from ftmem._engine.restore import DataParallelPeers, Restored, Restorer
+from ftmem._state.serialize import split_state
+from ftmem._shm.slot_memory import SlotMemory
+from ftmem._shm.slots import CommitRecord, RankStore
+from ftmem._shm.smp_client import SmpClient
+
+__all__ = ["SnapshotEngine", "Restored"]
+
+# How long a closing rank waits for the others to say whether the job finished.
+FINISH_TIMEOUT_S = float(os.environ.get("FTMEM_FINISH_TIMEOUT_S", "60"))
+
+
+def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class SnapshotEngine:
+    """One rank's in-memory snapshot engine.
+
+    ``config`` is an :class:`FtmemConfig`, or the user's ``"ftmem"`` dict. Rank and
+    world size default to torch.distributed's, else RANK / WORLD_SIZE. With more
+    than one rank, torch.distributed must be initialized: construction is then
+    collective (it creates the engine's own gloo groups, kept apart from the
+    training groups, for agreeing on versions, moving parity and joining DP shards).
+    ``format`` names the :class:`~ftmem._disk.format.FrameworkFormat` that writes this job's
+    versions to disk; ``origin`` says where the job comes from (its save directory). Both
+    are recorded in every version; with an origin, versions of another origin under this
+    job's id are refused (:mod:`ftmem._engine.ownership`). The job id derives from the origin (by
+    default the working directory and script) unless FTMEM_JOB_ID or ``job_id`` sets it.
+    """
+
+    def __init__(
+        self,
+        config: Union[FtmemConfig, Mapping[str, Any], None] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        layout: Optional[ParallelLayout] = None,
+        format: Optional[str] = None,
+        origin: Optional[str] = None,
+    ):
+        self.config = config if isinstance(config, FtmemConfig) else FtmemConfig.from_dict(config)
+        rank, world_size = _rank_and_world(rank, world_size)
+        self.identity = RankIdentity.resolve(self.config, rank, world_size, origin)
+        self.layout = layout or ParallelLayout.data_parallel(world_size)
+        self.layout.validate(world_size)
+        self.format = format
+        dp_ranks = self.layout.dp_group_of(rank)
+        dp_shard = len(dp_ranks) > 1 and self.config.dp_shard in ("on", "auto")
+        k, m = self.config.ec.resolve(self.identity.num_nodes)
+        self.topology = Topology(world_size, self.identity.ranks_per_node,
+                                 tuple(ec_groups(self.identity.num_nodes, k, m)))
+        gloo = dp_group = column = finish_group = None
+        if world_size > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise FtmemError(
+                    f"ftmem with {world_size} ranks needs torch.distributed initialized before the engine "
+                    f"is created (call dist.init_process_group first)."
+                )
+            gloo = dist.new_group(backend="gloo")
+            finish_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=FINISH_TIMEOUT_S))
+            dp_group = make_dp_groups(self.layout, rank)
+            if m > 0:
+                column = ColumnCoder(self.topology, rank)
+                column.pg = make_column_groups(self.topology, rank)
+        #: this rank's DP replicas and their gloo group (adapters use it too: one group per DP group)
+        self.dp_peers = DataParallelPeers(ranks=dp_ranks, group=dp_group if len(dp_ranks) > 1 else None,
+                                          sharded=dp_shard)
+        #: a gloo group of the whole job, apart from the training groups (None on one rank)
+        self.job_group = gloo
+        self._dp_shard, self._column, self._finish_group = dp_shard, column, finish_group
+        refuse_another_node_layout(self.identity, gloo)
+        node = self.identity.node
+        self._smp = SmpClient(self.identity.node_dir, list(range(node * self.identity.ranks_per_node,
+                                                                 (node + 1) * self.identity.ranks_per_node)))
+        self._smp.request("hello", rank, os.getpid())
+        self.store = RankStore(self.identity.node_dir, rank)
+        refuse_foreign_versions(self.store, self.identity, gloo)
+        self.memory = SlotMemory(self.store, self._smp)
+        self._restorer = Restorer(self.store, self.memory, self.topology, column, gloo, self.dp_peers, self.layout)
+        self._committer = Committer(self.store, self.memory, column, gloo,
+                                    lambda record, slot_bytes: self._restorer.read_version(record, slot_bytes,
+                                                                                           torch.device("cpu")))
+        self._inflight: Optional[SaveHandle] = None
+        self._planner = Planner()
+        self.protected: Optional[int] = None  # the newest version saved and protected, or resumed from
+        self.lineage: Optional[tuple[str, int]] = None  # recorded in each version (CommitRecord.lineage)
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.identity.rank
+
+    # -- save -----------------------------------------------------------------
+    def save(self, state: Any, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
+             persist: bool = False) -> SaveHandle:
+        """Start snapshotting ``state`` as ``version``; returns without waiting for the copy.
+
+        ``replicated(t)`` says whether tensor ``t`` is identical on every replica of
+        this rank's DP group (e.g. module weights under ZeRO 0-2); with DP sharding
+        on, each replica keeps only its 1/D slice of those, and restore gathers them
+        back. Every replica must then hand in the same replicated tensors, in order.
+
+        Until the returned handle's ``wait_reusable()`` returns, the tensors in
+        ``state`` must not be modified (call it before the optimizer step). The
+        previous save must be committed (and protected) by every rank; this call
+        waits for that, which in a training loop has happened during the
+        forward/backward. Versions increase; saving a version <= one already held
+        drops the held ones from there on (a timeline the job has abandoned).
+
+        With ``persist`` (the same on every rank) the version is also flushed to disk
+        once protected, whatever the interval of :meth:`persist_with`.
+        """
+        if persist and self._committer.flusher is None:
+            raise FtmemError("save(persist=True) needs a persistent tier: call persist_with first.")
+        self.wait()
+        skeleton, tensors = split_state(state)
+        flags = [bool(replicated(t)) for t in tensors] if (self._dp_shard and replicated) else None
+        replica = (self.dp_peers.ranks.index(self.rank), len(self.dp_peers.ranks))
+        plan = self._planner.plan(tensors, flags, replica)
+        self.memory.reserve(plan.nbytes, self._parity_estimate(plan.nbytes))
+        self.store.drop_from(version)
+        slot = self.store.free_slot()
+        slot_bytes = self.memory.bytes_of(slot)
+        if any(t.is_cuda for t in tensors):
+            self.memory.pin(slot_bytes)
+        handle = SaveHandle(version)
+        record = CommitRecord(version=version, rank=self.rank, slot=slot, plan=plan, skeleton=skeleton,
+                              layout=self.layout, format=self.format, origin=self.identity.origin,
+                              lineage=self.lineage)
+        self._committer.start(handle, record, tensors, slot_bytes, capture_cuda_order(tensors), persist)
+        self._inflight = handle
+        return handle
+
+    def _parity_estimate(self, nbytes: int) -> int:
+        """Parity bytes for ``nbytes`` of data, assuming the column's members are alike."""
+        return self._column.parity_nbytes(piece_size([nbytes], self._column.group.k)) if self._column else 0
+
+    def persist_with(self, flusher: Flusher) -> None:
+        """Flush protected versions through ``flusher`` (see :mod:`ftmem._disk.persist`): those
+        saved with ``persist=True`` and every ``flusher.interval``-th one."""
+        self._committer.flusher = flusher
+
+    def wait(self) -> None:
+        """Until the save in flight is committed by every rank, and protected (re-raises its error)."""
+        if self._inflight is not None:
+            handle, self._inflight = self._inflight, None
+            handle.wait_committed()
+            self.protected = handle.version
+
+    wait_protected = wait
+
+    def wait_idle(self) -> None:
+        """Until the save thread is idle (the save in flight protected, its flush handed over):
+        only then may another thread use ftmem's groups, which the save thread's collectives
+        would otherwise reach in another order on each rank (one rank's all_reduce met
+        another's all_gather: a hang, or numbers taken from the wrong call)."""
+        self.wait()
+        self._committer.drain()
+
+    def wait_flushed(self) -> None:
+        """Until every save so far is protected and any flush it started is on disk.
+        Without a persistent tier: until every save is protected. Raises if the last flush
+        failed (the training itself went on: memory still protects the version)."""
+        self.wait_idle()
+        if self._committer.flusher is not None:
+            self._committer.flusher.wait()
+            self._committer.flusher.raise_failure()
+
+    @property
+    def flusher(self) -> Optional[Flusher]:
+        return self._committer.flusher
+
+    @property
+    def last_flush(self) -> Optional[tuple[int, float]]:
+        """(bytes this rank wrote, seconds) of the last completed flush; None if none."""
+        flusher = self._committer.flusher
+        return flusher.last_flush if flusher is not None else None
+
+    def flush_newest(self) -> None:
+        """Write the newest protected version to the persistent tier now, unless it is
+        there already (collective: every rank; at the end of a job). Raises if it fails."""
+        flusher = self.flusher
+        self.wait_flushed()
+        if flusher is None or self.protected is None or flusher.flushed_version == self.protected:
+            return
+        record = self.store.read_commit(self.protected)
+        self._committer.flush_now(record, self.memory.bytes_of(record.slot))
+
+    # -- restore --------------------------------------------------------------
+    def versions(self) -> list[int]:
+        """Versions this rank holds committed in shared memory, oldest first."""
+        return sorted(self.store.committed())
+
+    def restore(self, version: Optional[int] = None, device: Union[str, torch.device] = "cpu",
+                drop_newer: bool = True, into: Optional[RestoreTargets] = None) -> Optional[Restored]:
+        """Restore the newest version every rank can recover (collective over all ranks).
+
+        Each rank verifies its held data and parity against their checksums; a mismatch is
+        logged and treated as a lost shard, never returned. A rank that lacks the version (its
+        node was lost, or its copy is corrupt) gets its data rebuilt from its EC group's parity.
+        Returns None if no rank holds any version (a fresh job); raises NotRecoverableFromMemory,
+        naming the groups and nodes, if versions are held (even if all prove damaged) but none
+        is recoverable for every rank, and LayoutMismatch if it was saved under another layout.
+        Newer versions are dropped unless ``drop_newer`` is False (tools' reads). ``into`` names
+        the framework's tensors to restore into (:mod:`ftmem._state.destinations`)."""
+        self.wait_idle()  # a save in flight commits first, and its thread leaves the groups to this one
+        return self._restorer.restore(version, torch.device(device), drop_newer, into)
+
+    # -- end --------------------------------------------------------------------
+    def close(self, job_finished: bool = False) -> None:
+        """Finish the save in flight, let go of the slots and of ftmem's gloo groups
+        (collective: every rank closes). With ``job_finished`` on every rank, the job says it
+        is done: each rank tells its SMP, which frees the node's shared memory once all its
+        ranks have. If any rank closes without it, fails to, or its last flush failed, the
+        snapshots stay for a restarted job (or ``ftmem clean``). A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait_flushed()
+        except BaseException:
+            job_finished = False  # what did not reach the disk must stay in memory
+            raise
+        finally:
+            self._committer.shutdown()
+            self.memory.unmap()
+            if self.everyone_agrees(job_finished):
+                self._smp.finish(self.rank)
+            self._smp.close()
+            _end_groups(self)
+
+    def everyone_agrees(self, finished: bool) -> bool:
+        """Whether every rank of the job says ``finished`` (collective, bounded by FINISH_TIMEOUT_S;
+        False if a rank does not answer). Memory is freed only on a job-wide agreement, never
+        because one rank or node ended, so a rank that died in the teardown keeps the versions."""
+        return _vote_finished(self._finish_group, self.rank, finished)
+
+
+def _vote_finished(group: Optional[dist.ProcessGroup], rank: int, finished: bool) -> bool:
+    if group is None:
+        return finished
+    vote = torch.tensor([int(finished)], dtype=torch.int64)
+    try:
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+    except Exception as e:  # a rank died, or the process groups were destroyed first
+        rank_warning(rank, "could not agree with the other ranks that the job finished (%s); the job's memory stays "
+                     "for a restart", e)
+        return False
+    return bool(vote.item())
+
+
+def _end_groups(engine: SnapshotEngine) -> None:
+    """Destroy the engine's gloo groups (and the persistent tier's) and let go of every
+    reference to them, so that each group's destructor runs now and joins its gloo threads.
+    Left for interpreter shutdown, those threads end, or drop a collective's tensor (pytorch/
+    pytorch#190489), while Python is finalizing, which now and then aborted a rank at its
+    clean exit ("terminate called without an active exception")."""
+    destroy_groups(engine.job_group, engine._finish_group, engine.dp_peers.group, getattr(engine._column, "pg", None))
+    engine.job_group = engine._finish_group = None
+    engine.dp_peers = dataclasses.replace(engine.dp_peers, group=None)
+    engine._restorer.forget_groups(engine.dp_peers)
+    engine._committer.forget_groups()
+    if engine._column is not None:
+        engine._column.pg = None

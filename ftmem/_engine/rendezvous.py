@@ -1,0 +1,64 @@
+"""Joining a collective that some ranks may never call, with a bounded wait.
+
+Reading every rank's part of a snapshot is a collective, but the code that triggers it
+is not always called on every rank: DeepSpeed's ``load_checkpoint`` reads on all ranks,
+while a user's script may call zero_to_fp32 on rank 0 only. Entered by one rank alone,
+a gloo collective waits for the others until the group's timeout (30 minutes) and
+leaves a receive pending. So each rank first checks in on the job's store and waits,
+bounded, for the others. The outcome is decided once, atomically (``compare_set``), and
+every rank follows it, whenever it arrives: all go into the collective, or all raise
+:class:`~ftmem.errors.CollectiveNotJoined`. A rank that comes late to an abandoned
+rendezvous raises at once instead of waiting for ranks that have given up.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+
+import torch.distributed as dist
+
+from ftmem.config import seconds_from_env
+from ftmem.errors import CollectiveNotJoined
+
+TIMEOUT_ENV = "FTMEM_COLLECTIVE_TIMEOUT_S"
+TIMEOUT_S = 120.0  # the spread of the ranks' arrival a caller's collective may have
+_GO, _ABANDONED = b"go", b"abandoned"
+_calls = itertools.count()  # every rank joins the same rendezvous in the same order
+
+
+def collective_timeout_s() -> float:
+    return seconds_from_env(TIMEOUT_ENV, TIMEOUT_S, minimum=1,
+                            what="the time a rank waits for the others to join a read of every rank's snapshot")
+
+
+def everyone_joins(what: str, advice: str) -> None:
+    """Return once every rank of the job has called this (its n-th call on each rank
+    meets the others' n-th); raise CollectiveNotJoined, naming the ranks that did not
+    come, if some did not within :func:`collective_timeout_s`. ``what`` names the
+    collective, ``advice`` says what to do instead."""
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = f"ftmem/rendezvous/{next(_calls)}/"
+    store.set(f"{prefix}{rank}", b"")
+    timeout_s = collective_timeout_s()
+    arrivals = [f"{prefix}{r}" for r in range(world)]
+    try:
+        store.wait(arrivals, datetime.timedelta(seconds=timeout_s))
+    except RuntimeError:
+        # A wait that runs out raises DistStoreError from a TCPStore but a plain RuntimeError
+        # ("Wait timeout") from a FileStore (init_method="file://..."): which ranks came
+        # decides, not the error's type. A store that fails outright fails the check too.
+        pass
+    proposal = _GO if store.check(arrivals) else _ABANDONED
+    if store.compare_set(f"{prefix}decision", b"", proposal) == _GO:
+        # The last rank through takes the rendezvous's keys off the store: no rank waits on
+        # them any more. (An abandoned one keeps its few keys: a late rank reads the decision.)
+        if store.add(f"{prefix}through", 1) == world:
+            for key in [f"{prefix}{r}" for r in range(world)] + [f"{prefix}decision", f"{prefix}through"]:
+                store.delete_key(key)
+        return
+    missing = [r for r in range(world) if not store.check([f"{prefix}{r}"])]
+    raise CollectiveNotJoined(
+        f"{what} is a collective: every rank of the job must make it at the same point, as load_checkpoint does, "
+        f"but {'ranks ' + str(missing) if missing else 'some ranks'} did not within {timeout_s:g} s "
+        f"({TIMEOUT_ENV} sets the wait). {advice}")

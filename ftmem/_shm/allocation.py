@@ -1,0 +1,46 @@
+"""Allocating a rank's slot files: the SMP's job, never a training process's.
+
+The SMP grows the slots when a rank asks (its first save, or a bigger state), after
+checking that the shared-memory filesystem can hold them, and reserves the pages at
+once: a filesystem that is too small fails at the first save with the numbers, not
+with SIGBUS in the middle of training.
+"""
+from __future__ import annotations
+
+import os
+
+from ftmem.errors import ShmBudgetError
+from ftmem._shm.private import open_private
+from ftmem._shm.slots import DATA, NUM_SLOTS, PARITY, RankStore
+from ftmem._common.units import fmt_bytes
+
+
+def allocate(store: RankStore, nbytes: int, parity_nbytes: int) -> None:
+    """Grow both data slots of ``store`` to ``nbytes`` and both parity slots to
+    ``parity_nbytes``. The budget counts two versions of data and parity."""
+    growth = {kind: max(0, want - store.capacity(kind)) for kind, want in ((DATA, nbytes), (PARITY, parity_nbytes))}
+    needed = NUM_SLOTS * sum(growth.values())
+    if needed == 0:
+        return
+    st = os.statvfs(store.node_dir)
+    free = st.f_bavail * st.f_frsize
+    message = (
+        f"shared memory too small: rank {store.rank} needs {fmt_bytes(needed)} more in {store.node_dir} "
+        f"({NUM_SLOTS} versions x ({fmt_bytes(nbytes)} data + {fmt_bytes(parity_nbytes)} parity)), "
+        f"but that filesystem has {fmt_bytes(free)} free. Enlarge it (docker run --shm-size=..., "
+        f"or mount -o remount,size=... {os.path.dirname(os.path.dirname(os.path.dirname(store.node_dir)))}) "
+        f"or set \"shm_dir\" to a larger tmpfs."
+    )
+    if needed > free:
+        raise ShmBudgetError(message)
+    for kind, size in ((DATA, nbytes), (PARITY, parity_nbytes)):
+        if not growth[kind]:
+            continue
+        for slot in range(NUM_SLOTS):
+            fd = open_private(store.slot_path(slot, kind), os.O_RDWR | os.O_CREAT)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise ShmBudgetError(f"{message} (allocation failed: {e.strerror})") from e
+            finally:
+                os.close(fd)

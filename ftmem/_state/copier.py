@@ -1,0 +1,193 @@
+"""Moving tensor bytes between the training process and a shared-memory slot.
+
+Saving runs on the engine's background thread while the next forward/backward runs:
+CPU tensors with ``copy_`` (which releases the GIL), CUDA tensors as asynchronous
+device-to-host copies on a side stream into the slot, registered as pinned memory.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ftmem._state.plan import ReplicaShard, SnapshotPlan, TensorEntry
+
+
+def slot_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The tensor-shaped window of a slot (or of the replicated stream) holding an entry."""
+    raw = buffer[entry.offset : entry.offset + entry.nbytes]
+    return raw.view(entry.dtype).view(entry.shape)
+
+
+def _shard_windows(entry: TensorEntry, shard: ReplicaShard) -> Optional[tuple[slice, slice]]:
+    """For a replicated entry: (its bytes, the slot bytes) that fall in this replica's shard."""
+    lo, hi = max(entry.offset, shard.start), min(entry.offset + entry.nbytes, shard.end)
+    if lo >= hi:
+        return None
+    return (slice(lo - entry.offset, hi - entry.offset),
+            slice(shard.offset + lo - shard.start, shard.offset + hi - shard.start))
+
+
+class CudaPinning:
+    """Registers slot mappings as pinned host memory once, so D2H copies are async DMA."""
+
+    def __init__(self) -> None:
+        self._registered: set[int] = set()
+
+    def ensure(self, slot_bytes: torch.Tensor) -> None:
+        ptr = slot_bytes.data_ptr()
+        if ptr in self._registered:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(ptr, slot_bytes.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of a {slot_bytes.numel()}-byte slot failed with error {int(err)}")
+        self._registered.add(ptr)
+
+    def release(self, slot_bytes: torch.Tensor) -> None:
+        ptr = slot_bytes.data_ptr()
+        if ptr in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+            self._registered.discard(ptr)
+
+
+def capture_cuda_order(tensors: Sequence[torch.Tensor]) -> dict:
+    """On the caller's thread: an event per device marking where the producing work ends."""
+    events = {}
+    for t in tensors:
+        if t.is_cuda and t.device not in events:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(t.device))
+            events[t.device] = ev
+    return events
+
+
+# (a tensor's index, its window in the slot, the slice of its bytes that goes there if only
+# this replica's share of a replicated tensor does)
+Window = tuple[int, torch.Tensor, Optional[slice]]
+
+
+class SlotWindows:
+    """Where each tensor of a plan goes in a slot: made once per slot mapping and plan, and
+    reused by every later save into that slot while the plan stays (:class:`ftmem._state.plan.Planner`
+    keeps it). Making ~1,700 views of a slot took ~5 ms a save on the copy thread, with the
+    GIL held: time the training thread's kernel launches waited for."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple] = {}  # slot -> (its mapping, the plan, the windows)
+
+    def of(self, slot: int, slot_bytes: torch.Tensor, plan: SnapshotPlan) -> list[Window]:
+        """A Window for each tensor with bytes to copy, in plan order."""
+        made = self._made.get(slot)
+        if made is None or made[0] is not slot_bytes or made[1] is not plan:
+            made = self._made[slot] = (slot_bytes, plan, _windows(slot_bytes, plan))
+        return made[2]
+
+    def clear(self) -> None:
+        """Let go of every mapping (before they are unmapped)."""
+        self._made.clear()
+
+
+def _windows(slot_bytes: torch.Tensor, plan: SnapshotPlan) -> list[Window]:
+    windows = []
+    for i, entry in enumerate(plan.entries):
+        if entry.nbytes == 0:
+            continue
+        if not entry.replicated:
+            windows.append((i, slot_view(slot_bytes, entry), None))
+        elif (shard := _shard_windows(entry, plan.shard)) is not None:  # this replica's slice of it, as raw bytes
+            windows.append((i, slot_bytes[shard[1]], shard[0]))
+    return windows
+
+
+def copy_into_slot(
+    windows: Sequence[Window],
+    tensors: Sequence[torch.Tensor],
+    cuda_ready: dict,
+    side_streams: dict,
+    halfway: Callable[[], None],
+) -> None:
+    """Copy every tensor into its window of the slot (from :class:`SlotWindows`); returns when
+    all bytes are there."""
+    destinations = [window for _, window, _ in windows]
+    half = len(windows) // 2
+    # Each device's side stream waits once for the training stream, and is the current
+    # stream of its device for the whole copy; the copies are two foreach calls (one each
+    # side of the halfway hook): this thread holds the GIL while it runs Python, so
+    # per-tensor work here delays the training thread's kernel launches.
+    with torch.no_grad(), contextlib.ExitStack() as on_side_streams:
+        for device, ready in cuda_ready.items():
+            stream = side_streams.setdefault(device, torch.cuda.Stream(device))
+            stream.wait_event(ready)
+            on_side_streams.enter_context(torch.cuda.stream(stream))
+        # On the side streams, after their wait: a non-contiguous tensor's reshape is a copy.
+        sources = [tensors[i] if part is None else tensors[i].reshape(-1).view(torch.uint8)[part]
+                   for i, _, part in windows]
+        _copy(destinations[:half], sources[:half])
+        halfway()
+        _copy(destinations[half:], sources[half:])
+    done_events = []
+    for device in cuda_ready:
+        ev = torch.cuda.Event()
+        ev.record(side_streams[device])
+        done_events.append(ev)
+    for ev in done_events:
+        ev.synchronize()
+
+
+def _copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    if destinations:  # foreach refuses an empty list
+        torch._foreach_copy_(destinations, sources, non_blocking=True)
+
+
+def shard_bytes(slot_bytes: torch.Tensor, plan: SnapshotPlan) -> torch.Tensor:
+    """This replica's slice of the replicated stream, as stored in the slot."""
+    return slot_bytes[plan.shard.offset : plan.shard.offset + plan.shard.nbytes]
+
+
+def joined_stream(replicas: Sequence[tuple[torch.Tensor, SnapshotPlan]]) -> torch.Tensor:
+    """The whole replicated stream, in private memory, from every replica's (slot bytes,
+    plan), in replica order: for a reader that holds every replica's slot."""
+    return torch.cat([shard_bytes(slot_bytes, plan) for slot_bytes, plan in replicas])
+
+
+def read_from_slot(slot_bytes: torch.Tensor, plan: SnapshotPlan, device: torch.device,
+                   replicated_stream: Optional[Callable[[], torch.Tensor]] = None,
+                   into: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
+    """Tensors rebuilt on ``device``, never views of shared memory. Unique entries are
+    copied out of the slot first, each into its tensor in ``into`` where it has one (see
+    :mod:`ftmem._state.destinations`), else into a fresh one; then ``replicated_stream()`` gives
+    the whole replicated stream (gathered from the replicas: private memory already, so
+    replicated entries are views of it on the CPU, where the gather has not written them
+    into their tensors in ``into`` already). Asking for it last lets a gather run beside
+    the copies."""
+    into = into or [None] * len(plan.entries)
+    out: list = list(into)
+    with torch.no_grad():  # a framework tensor may require grad: writing it is no step of any graph
+        for i, entry in enumerate(plan.entries):
+            if entry.replicated:
+                continue
+            if out[i] is None:
+                out[i] = _copied(entry, slot_bytes, device)
+            elif entry.nbytes:
+                out[i].copy_(slot_view(slot_bytes, entry))
+    if any(entry.replicated for entry in plan.entries):
+        stream = replicated_stream()
+        for i, entry in enumerate(plan.entries):
+            if entry.replicated and out[i] is None:
+                out[i] = slot_view(stream, entry) if device.type == "cpu" else _copied(entry, stream, device)
+    for i, (t, entry) in enumerate(zip(out, plan.entries)):
+        if into[i] is not None:
+            continue  # the framework's own tensor, as it was (destinations checked its kind)
+        if entry.is_parameter:
+            out[i] = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
+        elif entry.requires_grad:
+            t.requires_grad_(True)
+    return out
+
+
+def _copied(entry: TensorEntry, source: torch.Tensor, device: torch.device) -> torch.Tensor:
+    t = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+    if entry.nbytes:
+        t.copy_(slot_view(source, entry))
+    return t

@@ -1,0 +1,405 @@
+"""What every framework adapter needs around the engine, written once.
+
+An adapter translates its framework's state and parallel layout; :class:`AdapterRuntime`
+does the rest, the same way for DeepSpeed and Megatron:
+
+* the engine, with the DP groups it makes (one gloo group per DP group, which the
+  adapters use too), and the persistent tier in the framework's format;
+* RNG capture with every save and restore with every resume (the format's generators);
+* the wait for the copy before the optimizer step (:meth:`wait_reusable`,
+  :meth:`make_step_wait`);
+* the restore policy, memory, then disk, then scratch (:meth:`restore`), where a
+  layout mismatch means the same thing in both frameworks: a refusal naming what
+  differs, unless ``allow_disk_fallback`` is set;
+* ``wait_protected`` / ``wait_flushed``, which mean the same thing everywhere;
+* the end of the job (:meth:`finish`, also run when the process exits): memory is freed
+  only when every rank ended cleanly and the newest version is on disk; otherwise it
+  stays for a restart, and the log says how to free it.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import itertools
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ftmem._common import testhooks
+from ftmem.config import FtmemConfig
+from ftmem._state.destinations import RestoreTargets
+from ftmem._engine.elastic import Adopted, OtherWorlds, adopt, free_ancestors
+from ftmem._engine.engine import SnapshotEngine
+from ftmem.errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
+from ftmem._disk.format import FrameworkFormat
+from ftmem._engine.handle import SaveHandle
+from ftmem._common.logs import announce, job_info, restored_from_disk, restored_from_memory
+from ftmem._engine.ownership import other_worlds_refused, versions_of_other_jobs
+from ftmem._common.parallel import ParallelLayout
+from ftmem._common.identity import check_node_layout
+from ftmem._disk.persist import Flusher, check_writable
+from ftmem._engine.restore import Restored, RestoreTimes, gather_objects
+
+MEMORY, DISK, SCRATCH = "memory", "disk", "scratch"
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """Where a restart resumes from, decided the same way on every rank."""
+
+    source: str  # MEMORY, DISK or SCRATCH
+    restored: Optional[Restored] = None  # the version, when the source is this job's memory
+    adopted: Optional[Adopted] = None  # the version, when the source is another world's job's memory
+    reason: Optional[str] = None  # why memory did not serve, when it did not and something was there
+
+
+class AdapterRuntime:
+    """One rank's ftmem, as an adapter drives it. Construction is collective."""
+
+    def __init__(self, config: FtmemConfig, layout: ParallelLayout, format: FrameworkFormat, save_dir: str,
+                 persist_dir: Optional[str] = None, persist_interval: int = 0, persist_keep: Optional[int] = None,
+                 framework_on_disk: Optional[Callable[[], Optional[int]]] = None):
+        """``save_dir``: where the framework saves this job's checkpoints; the job's origin, which a
+        relaunch of the same job reproduces (see ftmem._common.identity). ``persist_dir``: the persistent
+        tier's directory (flushes every ``persist_interval``-th protected version, and those saved
+        with ``persist``). ``framework_on_disk``: the version of the framework's own newest disk
+        checkpoint (None if none), asked at the end when the script did not say (an end at exit)."""
+        self.config, self.format = config, format
+        self._framework_on_disk = framework_on_disk
+        self.engine = SnapshotEngine(config, layout=layout, format=format.name,
+                                     origin=f"save dir {os.path.realpath(save_dir)}")
+        self._handle: Optional[SaveHandle] = None
+        if persist_dir:
+            peers = self.engine.dp_peers
+            self.engine.persist_with(Flusher(persist_dir, persist_interval, persist_keep, format, self.rank,
+                                             first_replica=peers.ranks[0] == self.rank,
+                                             world_size=self.engine.identity.world_size))
+        self._crashed = self._finished = False
+        self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (restore_named)
+        self._adopted: Optional[Adopted] = None  # another world's version this job resumed from, until freed
+        self.last_restore: Optional[RestoreTimes] = None  # where the last load from memory spent its time
+        _close_at_exit(self)
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def dp_ranks(self) -> tuple[int, ...]:
+        return self.engine.dp_peers.ranks
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        """A gloo group of this rank's DP replicas (None without replicas)."""
+        return self.engine.dp_peers.group
+
+    # -- save ---------------------------------------------------------------------------
+    def save(self, state: dict, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
+             persist: bool = False) -> SaveHandle:
+        """Snapshot ``state`` with this rank's RNG (under ``"rng"``) as ``version``."""
+        self._handle = self.engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
+                                        persist=persist)
+        self._kept_newer = []  # the save dropped every version >= its own
+        self._adopted = _freed_once_protected(self._adopted, self.engine)  # the save waited for the last one
+        return self._handle
+
+    def wait_reusable(self) -> None:
+        """The last snapshot's copy is done: the optimizer may write the state again."""
+        if self._handle is not None:
+            self._handle.wait_reusable()
+
+    def make_step_wait(self, optimizer) -> None:
+        """Make ``optimizer.step`` wait for the last snapshot's copy first (:func:`_wait_before_step`)."""
+        _wait_before_step(optimizer, self.wait_reusable)
+
+    def wait_protected(self) -> None:
+        """Until every save so far is committed and protected on every rank."""
+        self.engine.wait_protected()
+
+    def wait_flushed(self) -> None:
+        """Until every save so far is protected and any flush it started is on disk."""
+        self.engine.wait_flushed()
+
+    # -- restore ------------------------------------------------------------------------
+    def restore(self, disk_version: Optional[int] = None, into: Optional[RestoreTargets] = None,
+                other_worlds: Optional[OtherWorlds] = None) -> Resumption:
+        """Decide where to resume (collective): the newest version memory can recover for every
+        rank (restored into the tensors ``into`` names: :mod:`ftmem._state.destinations`), unless the
+        newest disk checkpoint (``disk_version``: this rank's view, None if none) is newer; else
+        disk, which every rank must see alike; else scratch. A version of another layout or EC
+        geometry, or of another world's job while this job holds none (unless ``other_worlds``
+        lets it adopt that: :func:`_adopt`), is refused with the reason (memory left as it is),
+        or skipped for the disk when ``allow_disk_fallback``."""
+        seen = self.gather(disk_version)
+        newest_on_disk = max((v for v in seen if v is not None), default=None)
+        try:
+            restored = self.engine.restore(into=into)
+            adopted = None if restored else _adopt(self.engine, self.format.name, self.agree, other_worlds)
+        except LayoutMismatch as e:  # EcGeometryMismatch included; the disk matters only if it may be loaded
+            return self.refuse_memory(str(e), _seen_alike(seen) if self.config.allow_disk_fallback else newest_on_disk)
+        except NotRecoverableFromMemory as e:
+            return _without_memory(str(e), _seen_alike(seen))
+        found = restored or adopted
+        if found is None:
+            return _without_memory("memory holds no version of this job" if newest_on_disk is not None else None,
+                                   _seen_alike(seen))
+        if newest_on_disk is not None and found.version < newest_on_disk:
+            return _without_memory(f"memory's newest version {found.version} is older than iteration "
+                                   f"{newest_on_disk} on disk", _seen_alike(seen))
+        return Resumption(MEMORY, restored=restored, adopted=adopted)
+
+    def restore_named(self, version: int) -> Restored:
+        """Restore ``version``, which the script asked for by name (collective): that version
+        or a refusal with the reason (NotRecoverableFromMemory, LayoutMismatch), never
+        another in its place. Newer versions stay held, as the default engine's newer files
+        stay on disk: a resume without a name still finds them, and the next save drops them."""
+        restored = self.engine.restore(version, drop_newer=False)
+        # Until the next save drops them, the job's end must not free memory for the loaded
+        # version alone being on disk (one view on every rank: gathered).
+        self._kept_newer = sorted({v for held in self.gather(self.engine.versions()) for v in held if v > version})
+        return restored
+
+    def agree(self, problem: Optional[str]) -> Optional[str]:
+        """Every rank's verdict on its own part of a restore; the first problem any rank
+        has. All ranks must take the same path (memory or disk) or the next collective hangs."""
+        return next((p for p in self.gather(problem) if p is not None), None)
+
+    def gather(self, obj: Any) -> list:
+        """Every rank's ``obj``, by rank (collective over the job's gloo group, once the save thread is idle)."""
+        self.engine.wait_idle()
+        return gather_objects(obj, self.engine.job_group)
+
+    def refuse_memory(self, problem: str, disk_version: Optional[int]) -> Resumption:
+        """Memory holds a version this job cannot use (another layout, model or args):
+        stop with the reason, unless ``allow_disk_fallback`` lets the job load from disk."""
+        if not self.config.allow_disk_fallback:
+            where = f"iteration {disk_version}" if disk_version is not None else "there is none yet"
+            raise LayoutMismatch(f"{problem} To load the disk checkpoint instead ({where}), set "
+                                 f"\"allow_disk_fallback\": true in the \"ftmem\" config (Megatron: "
+                                 f"--ftmem-allow-disk-fallback).")
+        job_info("memory holds no version this job can use (%s); loading from disk as allow_disk_fallback allows",
+                 problem)
+        return _without_memory(problem, disk_version)
+
+    def resumed_from_memory(self, restored: Restored, detail: str = "", rng: bool = True) -> None:
+        """The adapter loaded ``restored`` into the framework: put back the RNG (unless the
+        script asked the framework not to) and say so."""
+        if rng:
+            self.format.restore_rng(restored.state["rng"])
+        # The job's newest version until it saves again: a job that ends without saving (a
+        # relaunch at its last iteration) must keep it in memory or flush it, never free it.
+        # Its next versions carry on the line it was adopted from (ftmem._engine.elastic).
+        self.engine.protected, self.engine.lineage = restored.version, restored.lineage
+        self.last_restore = restored.times
+        announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
+        free_ancestors(self.engine.identity, self.engine.job_group, restored.lineage, restored.version)
+
+    def resumed_by_adoption(self, adopted: Adopted, detail: str = "", rng: Any = None) -> None:
+        """The adapter loaded ``adopted`` into the framework: put back ``rng`` (the RNG of the old
+        rank it took this rank's state from, if any) and say so. See :func:`_freed_once_protected`."""
+        if rng is not None:
+            self.format.restore_rng(rng)
+        self._adopted, self.last_restore = adopted, None
+        self.engine.lineage = (adopted.job, adopted.version)
+        announce(restored_from_memory(adopted.version, self.rank, ", ".join(filter(None, (detail, str(adopted))))))
+
+    def resumed_from_disk(self, iteration: int, directory: str, reason: Optional[str]) -> None:
+        announce(restored_from_disk(iteration, directory, self.rank, reason))
+
+    def resumed_from_scratch(self, reason: Optional[str], disk: str = "there is no disk checkpoint to load") -> None:
+        """The framework found nothing to resume from (``disk`` says what it found). Right for a
+        fresh job (no ``reason``); but where memory held versions it could not give back
+        (``reason``), a fresh start would silently throw the job's progress away: refused
+        (collective verdict, the same on every rank), memory left as it is."""
+        if reason is None:
+            return
+        identity = self.engine.identity
+        raise NotRecoverableFromMemory(
+            f"memory could not serve ({reason}) and {disk}. ftmem does not start from scratch in place of what this "
+            f"job saved. To start over on purpose, free it first: ftmem clean --job {identity.job} --shm-dir "
+            f"{identity.shm_dir}")
+
+    # -- end ----------------------------------------------------------------------------
+    def close(self, job_finished: bool) -> None:
+        """Close this rank's engine (collective). With ``job_finished`` on every rank the
+        job's snapshots are freed; otherwise they stay for a restart. A closed runtime has
+        ended: its end does not run again at exit, where it would find no group to agree on."""
+        self._finished = True
+        _unfinished.discard(self)
+        self._handle = None
+        self.engine.close(job_finished=job_finished)
+
+    def finish(self, on_disk: Optional[int] = None) -> None:
+        """This rank's part of the job ended (collective; also run at exit). If every rank
+        ended cleanly, the persistent tier (if any) first writes the newest version, and
+        the job's memory is freed once that version is on disk (or the framework's own save
+        of iteration ``on_disk`` is at least as new); else the memory stays for a restart
+        of the same job, and rank 0 says how to free it."""
+        if self._finished:
+            return
+        self._finished = True
+        _unfinished.discard(self)
+        if on_disk is None and self._framework_on_disk is not None:
+            on_disk = self._framework_on_disk()
+        problem = "this rank ended with an uncaught exception" if self._crashed else None
+        if problem is None:
+            try:
+                self.engine.wait_flushed()
+                self._adopted = _freed_once_protected(self._adopted, self.engine)
+            except Exception as e:
+                problem = str(e)
+        # Every rank ended cleanly, or none does anything collective beyond this vote.
+        if not self.engine.everyone_agrees(problem is None):
+            return self._keep(problem or "a rank did not end cleanly")
+        if self._kept_newer:
+            return self._keep(f"it also holds version(s) {self._kept_newer}, newer than the version it loaded by name")
+        flusher, newest = self.engine.flusher, self.engine.protected
+        testhooks.at("finish", self.rank, -1 if newest is None else newest)
+        if flusher is not None and (on_disk is None or newest is None or on_disk < newest):
+            try:
+                self.engine.flush_newest()  # the persistent tier writes it first
+            except Exception as e:
+                return self._keep(str(e))
+        written = max((v for v in (on_disk, flusher and flusher.flushed_version) if v is not None), default=None)
+        if newest is not None and (written is None or written < newest):
+            return self._keep("no persistent tier is configured, so it is not on disk" if written is None else
+                              f"it is not on disk: the newest checkpoint there is version {written}")
+        self.close(job_finished=True)
+
+    def _keep(self, reason: str) -> None:
+        try:
+            self.close(job_finished=False)
+        except Exception as e:  # the failure that made it keep the memory, raised once more: the memory stays
+            reason = reason if str(e) == reason else f"{reason}; then its close failed: {e}"
+        # None: this run saved nothing and restored nothing (it failed first); what it held stays.
+        _say_kept(self.engine.identity, max(self._kept_newer, default=self.engine.protected), reason)
+
+
+def _wait_before_step(optimizer, wait: Callable[[], None]) -> None:
+    """Make ``optimizer.step`` call ``wait`` first (once per optimizer): every caller of the
+    step is covered, with no hook in the training loop."""
+    if optimizer is None or getattr(optimizer.step, "_ftmem_waits", False):
+        return
+    stock_step = optimizer.step
+
+    @functools.wraps(stock_step)
+    def step(*args, **kwargs):
+        wait()
+        return stock_step(*args, **kwargs)
+
+    step._ftmem_waits = True
+    optimizer.step = step
+
+
+def _freed_once_protected(adopted: Optional[Adopted], engine: SnapshotEngine) -> Optional[Adopted]:
+    """``adopted`` until this job holds a protected version of its own; then its memory, the
+    only copy of that version until then, is freed, and None."""
+    if adopted is not None and engine.protected is not None:
+        adopted.free(engine.identity.shm_dir)
+        return None
+    return adopted
+
+
+def _adopt(engine: SnapshotEngine, format_name: str, agree: Callable[[Optional[str]], Optional[str]],
+           other_worlds: Optional[OtherWorlds]) -> Optional[Adopted]:
+    """The version of another world's job from this job's origin (collective), adopted
+    (:mod:`ftmem._engine.elastic`) where ``other_worlds`` says the adapter can load it; None if
+    there is none; else LayoutMismatch saying why not."""
+    identity = engine.identity
+    others = agree(versions_of_other_jobs(identity))
+    if others is None:
+        return None
+    if other_worlds is None:
+        raise LayoutMismatch(other_worlds_refused(identity, others, "this framework's adapter restores from memory "
+                                                  "only onto the layout a checkpoint was saved with"))
+    engine.wait_idle()
+    try:
+        return adopt(identity, engine.job_group, format_name, other_worlds)
+    except LayoutMismatch as e:
+        raise LayoutMismatch(other_worlds_refused(identity, others, f"ftmem cannot resume from them: {e}")) from e
+
+
+def _without_memory(reason: Optional[str], disk_version: Optional[int]) -> Resumption:
+    return Resumption(DISK if disk_version is not None else SCRATCH, reason=reason)
+
+
+def _say_kept(identity, newest: Optional[int], reason: str) -> None:
+    held = "what it holds" if newest is None else f"its newest version ({newest})"
+    job_info("job %s keeps %s in shared memory (%s): a restart of the same job resumes from it. To free it: "
+             "ftmem clean --job %s --shm-dir %s", identity.job, held, reason, identity.job, identity.shm_dir)
+
+
+def _seen_alike(seen: list) -> Optional[int]:
+    """The newest disk checkpoint, which every rank must see alike (``seen``: each rank's,
+    by rank) to resume from disk; else the ranks would resume from different places."""
+    if len(set(seen)) == 1:
+        return seen[0]
+    views = ", ".join(f"rank {r}: {'none' if v is None else v}" for r, v in enumerate(seen))
+    raise FtmemError(f"the ranks see different newest checkpoints on disk ({views}), and memory cannot serve: "
+                     f"they would resume from different iterations. Give every rank the same view of the "
+                     f"checkpoint directory (a file system all nodes share, its caches current) and restart; "
+                     f"nothing was loaded.")
+
+
+def check_startup(config: FtmemConfig, rank: int, world_size: int) -> None:
+    """For an adapter that starts its runtime after the job (DeepSpeed: at the first save
+    or load): fail at the job's start, with the reason, if the config's nodes and EC
+    groups cannot fit the world or the persistent tier's directory takes no files."""
+    check_node_layout(config, rank, world_size)
+    if config.persist.dir:
+        check_writable(config.persist.dir)
+
+
+# Runtimes of this process not yet finished, for the end of torch.distributed (below).
+_unfinished: "weakref.WeakSet[AdapterRuntime]" = weakref.WeakSet()
+# The order this process made its runtimes in. Construction is collective, so it is the same
+# on every rank; ends are collective too, and must run in it (a set's order is the process's own).
+_made = itertools.count()
+
+
+def _close_at_exit(runtime: AdapterRuntime) -> None:
+    """Finish the job when the process exits, or when the script ends torch.distributed
+    first, telling a crash (an uncaught exception, whose snapshots must stay for the
+    restart) from an ordinary end."""
+    previous_hook = sys.excepthook
+
+    def note_crash(*exc_info):
+        runtime._crashed = True
+        previous_hook(*exc_info)
+
+    sys.excepthook = note_crash
+    atexit.register(runtime.finish)
+    runtime._made = next(_made)
+    _unfinished.add(runtime)
+    _finish_before_the_process_group_ends()
+
+
+def _finish_before_the_process_group_ends() -> None:
+    """Scripts end with ``destroy_process_group()``, as PyTorch asks, before the process
+    exits. That destroys ftmem's groups too, so the end of the job (the ranks' vote, the
+    flush, the free) could no longer run at exit and the memory was kept with a warning.
+    Destroying the default group now runs that end first. An exception in flight there (a
+    ``finally:`` after a failure) counts as a crash, as it would at exit."""
+    stock = dist.destroy_process_group
+    if getattr(stock, "_ftmem", False):
+        return
+
+    @functools.wraps(stock)
+    def destroy_process_group(group=None):
+        try:
+            if group is None or group is dist.GroupMember.WORLD:
+                failure = sys.exc_info()[1]
+                crashed = failure is not None and not (isinstance(failure, SystemExit) and failure.code in (0, None))
+                for runtime in sorted(_unfinished, key=lambda r: r._made):
+                    runtime._crashed = runtime._crashed or crashed
+                    runtime.finish()
+        finally:
+            stock(group)
+
+    destroy_process_group._ftmem = True
+    dist.destroy_process_group = destroy_process_group
