@@ -29,7 +29,8 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import FtmemConfig, FtmemError, NotRecoverableFromMemory, ParallelLayout, Restored
-from ftmem.adapter import DISK, MEMORY, Adopted, AdapterRuntime, OtherWorlds, RestoreTargets, check_startup, everyone_joins, flushed, gather_dp_groups, job_info, save_atomically, world_in_words
+from ftmem.adapter import (DISK, MEMORY, Adopted, AdapterRuntime, OtherWorlds, RestoreTargets, check_startup,
+                           everyone_joins, flushed, gather_dp_groups, job_info, save_atomically, world_in_words)
 
 from .format import DeepSpeedFormat
 from .stub import is_stub, read_stub, write_stub

@@ -28,8 +28,10 @@ from torch.overrides import TorchFunctionMode
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
-from ftmem import ConfigError, LayoutMismatch, NotRecoverableFromMemory, ParallelLayout, Restored, RestoreTimes, SaveHandle
-from ftmem.adapter import DISK, MEMORY, Adopted, AdapterRuntime, OtherWorlds, RestoreTargets, Resumption, collection_deferred, gather_dp_groups, rank_info
+from ftmem import (ConfigError, LayoutMismatch, NotRecoverableFromMemory, ParallelLayout, Restored, RestoreTimes,
+                   SaveHandle)
+from ftmem.adapter import (DISK, MEMORY, Adopted, AdapterRuntime, OtherWorlds, RestoreTargets, Resumption,
+                           collection_deferred, gather_dp_groups, rank_info)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format

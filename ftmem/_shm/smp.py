@@ -47,7 +47,8 @@ from typing import Iterator
 from ftmem._common import testhooks
 from ftmem.config import seconds_from_env
 from ftmem.errors import FtmemError
-from ftmem._shm.private import check_private_dir, open_private, read_private, unlink_if_present, write_atomically, write_new
+from ftmem._shm.private import (check_private_dir, open_private, read_private, unlink_if_present, write_atomically,
+                                write_new)
 from ftmem._shm.procs import pid_alive, process_start
 from ftmem._shm.allocation import allocate
 from ftmem._shm.slots import RankStore

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ftmem import FtmemConfig, ParallelLayout
-from ftmem.adapter import DISK, MEMORY, AdapterRuntime, FrameworkFormat, OtherWorlds, Resumption, flushed, save_atomically, write_atomically
+from ftmem.adapter import (DISK, MEMORY, AdapterRuntime, FrameworkFormat, OtherWorlds, Resumption, flushed,
+                           save_atomically, write_atomically)
 
 
 class TensorFiles(FrameworkFormat):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from harness.common import flip_byte, job_id, make_engine, run_cli
-from ftmem import ConfigError, CorruptShard, LayoutMismatch, NoRecoverableVersion, ParallelLayout, ShmBudgetError, SnapshotEngine, UnsupportedTensor
+from ftmem import (ConfigError, CorruptShard, LayoutMismatch, NoRecoverableVersion, ParallelLayout, ShmBudgetError,
+                   SnapshotEngine, UnsupportedTensor)
 from ftmem.adapter import FrameworkFormat, TensorPlace, flushed
 from ftmem._shm import integrity
 from ftmem._disk.persist import Flusher
