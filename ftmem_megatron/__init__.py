@@ -1,6 +1,7 @@
 """ftmem for Megatron: in-memory checkpoints behind Megatron's flags, its
-``--ckpt-format torch`` persistent checkpoints, and the compatibility layer that runs
-megatron-core on CPU (gloo) where no GPU is present (``cpu_compat.enable()``). A GPT
+``--ckpt-format torch`` persistent checkpoints; apart from them, in :mod:`ftmem_megatron.cpu`,
+the CPU support that runs megatron-core and Megatron-LM's loop over gloo where no GPU is
+present (switched on explicitly by a script). A GPT
 pretraining driver on megatron-core with Megatron-LM's flag names ships beside the
 library: ``python -m examples.megatron.pretrain_gpt``.
 

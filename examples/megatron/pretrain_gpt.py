@@ -8,7 +8,7 @@ Megatron-LM's ``pretrain_gpt.py`` does, with Megatron-LM's flag names:
         --train-iters 20 --lr 1e-3 --mock-data --vocab-size 128 \\
         --save ckpt --save-interval 5 [--load ckpt] [--use-distributed-optimizer]
 
-It runs on GPUs (NCCL) and on CPUs (gloo), where it enables :mod:`ftmem_megatron.cpu_compat`.
+It runs on GPUs (NCCL) and on CPUs (gloo), where it enables :mod:`ftmem_megatron.cpu.core`.
 The data is synthetic and a pure function of (seed, global sample index), so a
 resumed run sees exactly the batches an uninterrupted one does; training is
 deterministic, and resuming from a ``--ckpt-format torch`` checkpoint
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from examples.process_end import end_process
-from ftmem_megatron import cpu_compat
+from ftmem_megatron.cpu import core as cpu_core
 from ftmem_megatron.arguments import (IN_MEMORY, add_ftmem_args, add_non_persistent_args, in_memory,
                                       validate_ftmem_args)
 
@@ -144,7 +144,7 @@ def initialize(args) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     if not torch.cuda.is_available():
-        cpu_compat.enable()
+        cpu_core.enable()
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -471,7 +471,7 @@ def main(argv=None) -> None:
               f"{args.num_microbatches} micro-batches per iteration, optimizer {type(optimizer).__name__}, "
               f"{'bf16' if args.bf16 else 'fp32'} parameters, "
               f"starting at iteration {iteration}, on "
-              f"{'CUDA' if torch.cuda.is_available() else 'the CPU (cpu_compat enabled)'}", flush=True)
+              f"{'CUDA' if torch.cuda.is_available() else 'the CPU (ftmem_megatron.cpu enabled)'}", flush=True)
     losses = train(args, model, optimizer, opt_param_scheduler, iteration, flops_so_far)
     if args.out:
         write_out(args, losses, model, optimizer)

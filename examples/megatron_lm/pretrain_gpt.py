@@ -10,7 +10,7 @@ forward step, ``pretrain``), taking Megatron-LM's own flags::
 
 What ftmem asks of such a script is its first lines: ``ftmem_megatron.install()`` before
 Megatron-LM parses its args (on a Megatron-LM with ``patches/megatron-lm-0.19.2-ftmem.patch``
-it changes nothing). Without CUDA the script enables :mod:`ftmem_megatron.megatron_lm_cpu`,
+it changes nothing). Without CUDA the script enables :mod:`ftmem_megatron.cpu.megatron_lm`,
 which needs the flags its docstring lists. The data is Megatron's mock GPT dataset.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args  #
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args  # noqa: E402
 
 from examples.process_end import end_process  # noqa: E402
-from ftmem_megatron import megatron_lm_cpu  # noqa: E402
+from ftmem_megatron.cpu import megatron_lm as megatron_lm_cpu  # noqa: E402
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 

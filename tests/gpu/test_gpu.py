@@ -205,7 +205,7 @@ def test_deepspeed_ranks_sharing_the_gpu_resume_bitwise_after_losing_a_node(conf
 
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
 def test_megatron_core_on_the_gpu_resumes_bitwise_after_a_crash(precision, shm_dir, tmp_path):
-    """One rank on the GPU (NCCL, TP 1), the megatron-core driver without cpu_compat, an
+    """One rank on the GPU (NCCL, TP 1), the megatron-core driver without its CPU support, an
     in-memory save every iteration: SIGKILLed after iteration 3's snapshot, relaunched
     with the same command, it restores from memory, and its losses and final parameters
     and optimizer state equal, bitwise, an uninterrupted run without ftmem. In fp32, and

@@ -57,7 +57,7 @@ def _reference(world, parallel, root, save_interval) -> dict:
         job.args[job.args.index("--save-interval") + 1] = str(save_interval)
     job.run(os.path.join(root, "out.json"))
     for rank in range(world):
-        # No ftmem line: the driver imports ftmem_megatron (its flags, cpu_compat), nothing else.
+        # No ftmem line: the driver imports ftmem_megatron (its flags, its CPU support), nothing else.
         assert not [ln for ln in job.log(rank).splitlines() if ln.startswith("ftmem:")], job.log(rank)[-3000:]
     with open(os.path.join(root, "ckpt", "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == str(ITERS)  # Megatron's own save of the final state

@@ -34,7 +34,7 @@ from ftmem import restored_from_disk, restored_from_memory
 from ftmem._shm import jobs
 
 ITERS, PAUSED, TIMEOUT = 8, 5, 240
-# Megatron-LM's flags for its CPU-capable paths (ftmem_megatron.megatron_lm_cpu), and a tiny GPT.
+# Megatron-LM's flags for its CPU-capable paths (ftmem_megatron.cpu.megatron_lm), and a tiny GPT.
 CPU = ["--distributed-backend", "gloo", "--use-cpu-initialization", "--transformer-impl", "local",
        "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
        "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--rerun-mode", "disabled"]

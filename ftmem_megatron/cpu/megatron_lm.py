@@ -1,7 +1,7 @@
 """Run Megatron-LM's own training loop (``megatron.training.pretrain``, 0.19.2) on a
 machine without CUDA: CPU tensors, gloo. For tests; on GPUs, Megatron-LM runs as it is.
 
-:func:`enable` first enables :mod:`ftmem_megatron.cpu_compat` (megatron-core's CUDA
+:func:`enable` first enables :mod:`ftmem_megatron.cpu.core` (megatron-core's CUDA
 assumptions), then redirects the few calls of Megatron-LM's loop that assume a GPU and
 have nothing to do with the model's arithmetic. Each is a wrapper of a module global that
 Megatron-LM looks up at call time, or a stand-in for a ``torch.cuda`` function that
@@ -13,7 +13,7 @@ raises without CUDA:
   only where ``torch.cuda.device_count() > 0``, and ``_set_random_seed`` seeds the
   model-parallel RNG tracker on the same condition. The process group (the
   ``--distributed-backend``, gloo) is created first, and inside these two functions the
-  device count answers 1: the groups and the tracker (cpu_compat's CPU tracker) are
+  device count answers 1: the groups and the tracker (the CPU tracker of cpu.core) are
   made as on a GPU.
 * ``torch.cuda.synchronize`` (Megatron's timers, around every timed region): the CPU
   runs in order, there is nothing to wait for.
@@ -44,7 +44,7 @@ from datetime import timedelta
 
 import torch
 
-from . import cpu_compat
+from . import core as cpu_core
 
 _enabled = False
 
@@ -54,14 +54,14 @@ def enable() -> None:
     global _enabled
     if _enabled or torch.cuda.is_available():
         return
-    cpu_compat.enable()
+    cpu_core.enable()
     import megatron.training.arguments as mlm_arguments
     import megatron.training.initialize as mlm_initialize
     import megatron.training.training as mlm_training
 
     mlm_training.initialize_megatron = _allowing_no_cuda(mlm_training.initialize_megatron)
     mlm_initialize._initialize_distributed = _process_group_first(mlm_initialize._initialize_distributed)
-    mlm_initialize._set_random_seed = cpu_compat.within(_one_device, mlm_initialize._set_random_seed)
+    mlm_initialize._set_random_seed = cpu_core.within(_one_device, mlm_initialize._set_random_seed)
     mlm_training.build_pretraining_data_loader = _with_own_generator(mlm_training.build_pretraining_data_loader)
     mlm_arguments.get_device_arch_version = lambda: 0
     torch.cuda.synchronize = lambda *args, **kwargs: None
