@@ -13,7 +13,7 @@ import torch
 
 from ftmem._shm import jobs
 from ftmem.cli import Parser, positive_int, shm_dir_arg
-from ftmem._engine.engine import SnapshotEngine
+from ftmem import SnapshotEngine
 
 TENSORS = 8
 

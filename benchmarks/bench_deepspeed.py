@@ -186,7 +186,7 @@ def worker(argv=None) -> None:
         engine.checkpoint_engine.wait_flushed()
         saves.append(timed(lambda: engine.save_checkpoint(os.path.join(args.work, "persisted"))))
         engine.checkpoint_engine.wait_flushed()
-        flushes.append(engine.checkpoint_engine.runtime.engine.last_flush)
+        flushes.append(engine.checkpoint_engine.runtime.last_flush)
     engine.checkpoint_engine.runtime.close(job_finished=True)
     figures["persist_save_s"] = statistics.median(saves[1:])
     figures["flush_s"] = statistics.median(s for _, s in flushes[1:])

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ftmem._shm import jobs
 from ftmem.cli import Parser, positive_int, shm_dir_arg
 from ftmem._ec.codec import Codec
-from ftmem._engine.engine import SnapshotEngine
+from ftmem import SnapshotEngine
 from ftmem._shm.slots import DATA, PARITY
 
 from examples.launch import report_figures, run_for_figures

@@ -18,7 +18,7 @@ import torch
 
 from ftmem._shm import jobs
 from ftmem.cli import Parser, positive_int, shm_dir_arg
-from ftmem._engine.engine import SnapshotEngine
+from ftmem import SnapshotEngine
 
 
 def model_like_state(total_mb: int) -> dict:

@@ -68,7 +68,7 @@ def soak_worker(argv=None) -> None:
     import torch
     import torch.distributed as dist
 
-    from ftmem._engine.engine import SnapshotEngine
+    from ftmem import SnapshotEngine
     from ftmem._shm.smp_client import running_smp
 
     parser = argparse.ArgumentParser()

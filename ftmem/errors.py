@@ -41,10 +41,10 @@ class LayoutMismatch(FtmemError):
     """A held version was saved under another parallel layout than the job runs now."""
 
 
-class EcGeometryMismatch(NotRecoverableFromMemory, LayoutMismatch):
+class EcGeometryMismatch(LayoutMismatch):
     """Lost data could be rebuilt only from parity written under another EC geometry (k, m,
     nodes) than the job runs now: a change of configuration, refused as a layout change
-    is, not a loss for the disk to make up for."""
+    is, not a loss for the disk to make up for (so not a NotRecoverableFromMemory)."""
 
 
 class UnsupportedTensor(FtmemError, TypeError):

@@ -173,7 +173,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
             return True
         version = self._version(files)
         runtime = self._start(info.save_dir)
-        identity = runtime.engine.identity
+        identity = runtime.identity
         for path, state_dict in files.items():
             metadata = {k: v for k, v in state_dict.items() if not _tensors(v)} if isinstance(state_dict, dict) else {}
             write_stub(path, file_key(path), identity.job, metadata, (identity.world_size, identity.ranks_per_node))
@@ -389,7 +389,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         job to resume from (``resume``: a load of that tag), or for a read of its files."""
         tag, version = _tag_of(path), _version_of_tag(os.path.dirname(path))
         restored = (self.runtime.restore_named(version) if resume
-                    else self.runtime.engine.restore(version, drop_newer=False))
+                    else self.runtime.read_version(version))
         if restored.state["tag"] != tag:
             raise FtmemError(f"{path} is a stub of version {version} (tag {tag!r}), but memory's version {version} is "
                              f"tag {restored.state['tag']!r}: a later save of the same global step replaced it. Load "
@@ -400,11 +400,11 @@ class FtmemCheckpointEngine(CheckpointEngine):
         """Refuse a checkpoint whose stubs another job wrote (a relaunch at another world
         size, or another FTMEM_JOB_ID, into the same save dir): this job's memory may hold a
         version of the same number, which is not that checkpoint."""
-        identity, info = self.runtime.engine.identity, read_stub(stub)
+        identity, info = self.runtime.identity, read_stub(stub)
         ours, theirs = identity.job, info["job"]
         if theirs not in (ours, self._adopted_job):
             world = (identity.world_size, identity.ranks_per_node)
-            then = tuple(info.get("world") or world)  # stubs before 2026-11-26 do not say
+            then = tuple(info["world"]) if info.get("format", 1) >= 2 else world  # format 1 does not say
             changed = (f" Job {theirs} saved it on {world_in_words(*then)}; this job runs on "
                        f"{world_in_words(*world)}." if then != world else "")
             raise FtmemError(

@@ -265,7 +265,7 @@ class MegatronCheckpointer:
                                        self._split_pieces(resumption.adopted))
         except LayoutMismatch as e:
             problem = str(e)
-        problem = self.runtime.agree(problem)
+        problem = self.runtime.first_problem(problem)
         if problem is not None:
             _drop(placeholders)
             self._memory_failed = self.runtime.refuse_memory(problem, on_disk if on_disk >= 0 else None).reason
@@ -299,7 +299,7 @@ class MegatronCheckpointer:
         and joins what the distributed optimizer splits from its place's old DP group
         (:meth:`_split_pieces`): that holds all the rank needs only where the DP size alone
         changed."""
-        now = self.runtime.engine.layout
+        now = self.runtime.layout
         changed = [f"{name} {getattr(saved, name)} -> {getattr(now, name)}"
                    for name in ("tp_size", "pp_size", "cp_size", "ep_size")
                    if getattr(saved, name) != getattr(now, name)]
@@ -319,7 +319,7 @@ class MegatronCheckpointer:
         """The old ranks of this rank's place (its old DP group) in a version saved under
         ``saved``. Both worlds order their DP groups alike (by their lowest rank: by PP, then
         TP rank), and only the DP size changed (:meth:`_cannot_load`)."""
-        now = sorted(tuple(sorted(g)) for g in self.runtime.engine.layout.dp_groups)
+        now = sorted(tuple(sorted(g)) for g in self.runtime.layout.dp_groups)
         then = sorted(tuple(sorted(g)) for g in saved.dp_groups)
         return then[now.index(tuple(sorted(self.runtime.dp_ranks)))]
 
@@ -439,7 +439,7 @@ def wait_flushed() -> None:
 
 def last_flush() -> Optional[tuple[int, float]]:
     """(bytes this rank wrote, seconds) of the last persistent checkpoint written from memory."""
-    return _checkpointer.runtime.engine.last_flush if _checkpointer is not None else None
+    return _checkpointer.runtime.last_flush if _checkpointer is not None else None
 
 
 def finish(args) -> None:

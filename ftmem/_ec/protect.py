@@ -143,8 +143,8 @@ def plan_recovery(topology: Topology, data: list[dict[int, int]], parity: list[d
     rank decides alike from the same inputs, before any rebuild moves a byte. Returns
     None when no rank holds any version (a fresh job); raises NotRecoverableFromMemory,
     naming the groups and nodes, when versions exist but none is recoverable everywhere
-    (too many losses), and its subclass EcGeometryMismatch when the newest needs parity
-    written under another geometry than the job's now.
+    (too many losses), and EcGeometryMismatch (a LayoutMismatch) when the newest needs
+    parity written under another geometry than the job's now.
     """
     candidates = [requested] if requested is not None else sorted(set().union(*data), reverse=True)
     if not candidates:

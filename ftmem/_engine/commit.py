@@ -91,7 +91,7 @@ class Committer:
             if self._column is not None:
                 self._protect(record, slot_bytes)
             if self._gloo is not None:
-                self._agree(version)
+                self._confirm_same_version_everywhere(version)
             handle._set_committed()
             if self.flusher is not None and self.flusher.due(asked=persist):
                 self._hand_over_for_flush(record, slot_bytes)
@@ -105,7 +105,7 @@ class Committer:
         parity = self.memory.bytes_of(record.slot, PARITY).numpy()
         self.store.write_parity(self._column.protect(record, slot_bytes.numpy(), parity, lengths, records, piece))
 
-    def _agree(self, version: int) -> None:
+    def _confirm_same_version_everywhere(self, version: int) -> None:
         """Job-wide: every rank committed (and protected) v. The next save waits for this
         before overwriting the older slot, so a rank one save ahead of a peer that crashed
         mid-copy still holds the version the peer has."""

@@ -45,7 +45,7 @@ from ftmem._shm import integrity
 from ftmem._state.checksum import data_checksum
 from ftmem._ec.codec import Codec
 from ftmem._state.copier import joined_stream, read_from_slot
-from ftmem.errors import CorruptShard, LayoutMismatch, NotRecoverableFromMemory
+from ftmem.errors import CorruptShard, EcGeometryMismatch, LayoutMismatch, NotRecoverableFromMemory
 from ftmem._common.identity import RankIdentity, job_root, world_in_words
 from ftmem._shm.jobs import free_node, node_ranks
 from ftmem._common.logs import job_info, rank_info
@@ -53,7 +53,7 @@ from ftmem._engine.ownership import other_jobs_of_origin, readable_records
 from ftmem._common.parallel import ParallelLayout
 from ftmem._ec.placement import ECGroup
 from ftmem._ec.protect import Geometry, Topology, decode_member, member_piece, plan_recovery
-from ftmem._engine.restore import gather_objects
+from ftmem._common.collective import first_problem, gather
 from ftmem._state.serialize import join_state
 from ftmem._shm.slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore, decode_record, encode_record
 
@@ -128,7 +128,7 @@ def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_nam
     for i, old in enumerate(line):
         try:
             adopted = _adopt_from(old, identity, seen, here, rank, group, format_name, other_worlds)
-        except NotRecoverableFromMemory as e:
+        except (NotRecoverableFromMemory, EcGeometryMismatch) as e:
             job_info("not adopting from job %s: %s Trying the job it descends from, if any.", old, e)
             problems.append(str(e))
             continue
@@ -166,7 +166,7 @@ def _other_jobs(identity: RankIdentity, group: Optional[dist.ProcessGroup]) -> t
     rank sees ({job: {node: path}}), what every rank sees ({job: {node: (ranks, head)}}, by
     rank) and each job's head ({job: (its newest version, that version's lineage)})."""
     here = other_jobs_of_origin(identity)
-    seen = gather_objects({job: {node: (len(node_ranks(path)), _head(path, identity.origin))
+    seen = gather({job: {node: (len(node_ranks(path)), _head(path, identity.origin))
                                  for node, path in dirs.items()} for job, dirs in here.items()}, group)
     heads: dict[str, tuple] = {}
     for held in seen:
@@ -242,7 +242,7 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
         raise LayoutMismatch(refusal)
     loads = other_worlds.loads(layout)
     mine = set(range(world) if loads is None else loads)
-    loaded_by = gather_objects(mine, group)  # each new rank's
+    loaded_by = gather(mine, group)  # each new rank's
     # A DP-sharded rank's replicated bytes lie across its DP replicas (a job shards all or none).
     sharded = any(record.plan.shard is not None for held in commits.values() for record in held.values())
 
@@ -273,7 +273,7 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
         problem = str(e)
     except Exception as e:  # any failure: the other ranks wait in the gather below for this one's verdict
         problem = f"job {old}'s lost ranks could not be rebuilt ({type(e).__name__}: {e})."
-    problem = next((p for p in gather_objects(problem, group) if p), None)  # each rank rebuilds its own
+    problem = first_problem(problem, group)  # each rank rebuilds its own
     if problem is not None:
         raise NotRecoverableFromMemory(problem)
     streams: dict[tuple, torch.Tensor] = {}
@@ -311,7 +311,7 @@ def _records_of(stores: dict[int, RankStore], origin: str,
             for r, s in stores.items()}
     commits: dict[int, dict] = {}
     parities: dict[int, dict] = {}
-    for held in gather_objects(mine, group):
+    for held in gather(mine, group):
         for r, (data, parity) in held.items():
             commits[r] = {v: c for v, c in ((v, decode_record(CommitRecord, b)) for v, b in data.items())
                           if c.origin == origin}
@@ -372,7 +372,7 @@ def _choose(topology: Topology, stores: dict[int, RankStore], commits: dict, par
                         read[(r, kind)] = _read_checked(store, record, kind)
                 except CorruptShard as e:
                     damaged.append((r, kind, str(e)))
-        damaged = [d for found in gather_objects(damaged, group) for d in found]
+        damaged = [d for found in gather(damaged, group) for d in found]
         if not damaged:
             return chosen, sorted(lost), read
         for r, kind, why in damaged:

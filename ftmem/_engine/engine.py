@@ -34,6 +34,7 @@ from ftmem._state.destinations import RestoreTargets
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
+from ftmem._common.collective import vote
 from ftmem._common.logs import rank_warning
 from ftmem._engine.ownership import refuse_another_node_layout, refuse_foreign_versions
 from ftmem._common.parallel import ParallelLayout, destroy_groups, make_dp_groups
@@ -271,41 +272,38 @@ class SnapshotEngine:
         finally:
             self._committer.shutdown()
             self.memory.unmap()
-            if self.everyone_agrees(job_finished):
+            if self.every_rank_finished(job_finished):
                 self._smp.finish(self.rank)
             self._smp.close()
-            _end_groups(self)
+            self._end_groups()
 
-    def everyone_agrees(self, finished: bool) -> bool:
+    def resumed_at(self, version: Optional[int], lineage: Optional[tuple[str, int]]) -> None:
+        """The job resumed ``version`` (of its own, or adopted: ``lineage``): until it saves again
+        that is its newest version, which a job ending without a save must keep in memory or
+        flush, never free; and its next versions carry on ``lineage`` (:mod:`ftmem._engine.elastic`)."""
+        self.protected, self.lineage = version, lineage
+
+    def every_rank_finished(self, finished: bool) -> bool:
         """Whether every rank of the job says ``finished`` (collective, bounded by FINISH_TIMEOUT_S;
         False if a rank does not answer). Memory is freed only on a job-wide agreement, never
         because one rank or node ended, so a rank that died in the teardown keeps the versions."""
-        return _vote_finished(self._finish_group, self.rank, finished)
+        try:
+            return vote(finished, self._finish_group)
+        except Exception as e:  # a rank died, or the process groups were destroyed first
+            rank_warning(self.rank, "could not agree with the other ranks that the job finished (%s); the job's "
+                         "memory stays for a restart", e)
+            return False
 
-
-def _vote_finished(group: Optional[dist.ProcessGroup], rank: int, finished: bool) -> bool:
-    if group is None:
-        return finished
-    vote = torch.tensor([int(finished)], dtype=torch.int64)
-    try:
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
-    except Exception as e:  # a rank died, or the process groups were destroyed first
-        rank_warning(rank, "could not agree with the other ranks that the job finished (%s); the job's memory stays "
-                     "for a restart", e)
-        return False
-    return bool(vote.item())
-
-
-def _end_groups(engine: SnapshotEngine) -> None:
-    """Destroy the engine's gloo groups (and the persistent tier's) and let go of every
-    reference to them, so that each group's destructor runs now and joins its gloo threads.
-    Left for interpreter shutdown, those threads end, or drop a collective's tensor (pytorch/
-    pytorch#190489), while Python is finalizing, which now and then aborted a rank at its
-    clean exit ("terminate called without an active exception")."""
-    destroy_groups(engine.job_group, engine._finish_group, engine.dp_peers.group, getattr(engine._column, "pg", None))
-    engine.job_group = engine._finish_group = None
-    engine.dp_peers = dataclasses.replace(engine.dp_peers, group=None)
-    engine._restorer.forget_groups(engine.dp_peers)
-    engine._committer.forget_groups()
-    if engine._column is not None:
-        engine._column.pg = None
+    def _end_groups(self) -> None:
+        """Destroy the engine's gloo groups (and the persistent tier's) and let go of every
+        reference to them, so that each group's destructor runs now and joins its gloo threads.
+        Left for interpreter shutdown, those threads end, or drop a collective's tensor (pytorch/
+        pytorch#190489), while Python is finalizing, which now and then aborted a rank at its
+        clean exit ("terminate called without an active exception")."""
+        destroy_groups(self.job_group, self._finish_group, self.dp_peers.group, getattr(self._column, "pg", None))
+        self.job_group = self._finish_group = None
+        self.dp_peers = dataclasses.replace(self.dp_peers, group=None)
+        self._restorer.forget_groups(self.dp_peers)
+        self._committer.forget_groups()
+        if self._column is not None:
+            self._column.pg = None

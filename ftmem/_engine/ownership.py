@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ftmem.errors import CorruptShard, FtmemError, LayoutMismatch
 from ftmem._common.identity import RankIdentity, world_in_words
 from ftmem._shm.jobs import list_jobs, node_dirs, node_ranks, recorded_ranks
-from ftmem._engine.restore import gather_objects
+from ftmem._common.collective import gather
 from ftmem._shm.slots import CommitRecord, RankStore, ranks_in
 
 
@@ -49,7 +49,7 @@ def refuse_foreign_versions(store: RankStore, identity: RankIdentity, group: Opt
     A job without an origin (the engine used directly) claims no versions and checks none."""
     if identity.origin is None:
         return
-    found = next((f for f in gather_objects(foreign_versions(store, identity.origin), group) if f), None)
+    found = next((f for f in gather(foreign_versions(store, identity.origin), group) if f), None)
     if found:
         raise ForeignVersions(
             f"job id {identity.job}: shared memory in {identity.shm_dir} holds {found}: another job's, not this "
@@ -76,7 +76,7 @@ def node_layout_change(identity: RankIdentity) -> Optional[str]:
 def refuse_another_node_layout(identity: RankIdentity, group: Optional[dist.ProcessGroup]) -> None:
     """Stop, on every rank alike, if any node directory was laid out for other ranks
     (collective; before any rank starts its node's SMP)."""
-    found = next((f for f in gather_objects(node_layout_change(identity), group) if f), None)
+    found = next((f for f in gather(node_layout_change(identity), group) if f), None)
     if found:
         raise LayoutMismatch(
             f"job {identity.job}: {found} (ranks per node now {identity.ranks_per_node}, world size "

@@ -22,6 +22,7 @@ from ftmem._state.checksum import data_checksum
 from ftmem._state.copier import read_from_slot
 from ftmem._state.destinations import RestoreTargets, destinations
 from ftmem.errors import CorruptShard, FtmemError, LayoutMismatch, NotRecoverableFromMemory
+from ftmem._common.collective import all_problems, gather
 from ftmem._common.logs import rank_info, rank_warning
 from ftmem._common.parallel import ParallelLayout
 from ftmem._state.plan import SnapshotPlan
@@ -54,15 +55,6 @@ class Restored:
     lineage: Optional[tuple[str, int]] = None  # the version's CommitRecord.lineage
 
 
-def gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> list:
-    """Every rank's ``obj``, indexed by rank in ``group`` (just ours without a group)."""
-    if group is None:
-        return [obj]
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, obj, group=group)
-    return everyone
-
-
 @dataclass(frozen=True)
 class DataParallelPeers:
     """This rank's DP replicas, as restore needs them to join DP-sharded state."""
@@ -83,7 +75,7 @@ def gather_replicated(plan: SnapshotPlan, slot_bytes: torch.Tensor, peers: DataP
         raise LayoutMismatch(f"this version is DP-sharded over {shard.count} replicas, but the job now has "
                              f"DP sharding {'on' if peers.sharded else 'off'} over {len(peers.ranks)}.")
     mine = frozenset(i for i, e in enumerate(plan.entries) if e.replicated and into[i] is not None and e.nbytes)
-    everyone = gather_objects((shard.stream_nbytes, mine), peers.group)
+    everyone = gather((shard.stream_nbytes, mine), peers.group)
     sizes = [size for size, _ in everyone]
     if len(set(sizes)) != 1:
         raise FtmemError(f"the replicas {list(peers.ranks)} saved different replicated state "
@@ -192,19 +184,19 @@ class Restorer:
             damaged = True
         return damaged
 
-    def _agree(self, version: Optional[int], data: dict, parity: dict) -> Optional[tuple[int, list[int], list]]:
+    def _choose_version(self, version: Optional[int], data: dict, parity: dict) -> Optional[tuple[int, list[int], list]]:
         """The job's choice, as :func:`plan_recovery` makes it from every rank's held versions,
         with the chosen version's bytes checked on every rank; a rank with damaged bytes drops
         them and the job chooses again. Returns None, or (chosen, to_rebuild, every rank's held)."""
         while True:
-            held = gather_objects(({v: r.plan.nbytes for v, r in data.items()},
-                                   {v: Geometry.of(p) for v, p in parity.items()}), self._gloo)
+            held = gather(({v: r.plan.nbytes for v, r in data.items()},
+                           {v: Geometry.of(p) for v, p in parity.items()}), self._gloo)
             decision = plan_recovery(self.topology, [d for d, _ in held], [p for _, p in held], version)
             if decision is None:
                 return None
             chosen, to_rebuild = decision
             damaged = self._check(chosen, data, parity, parity_needed=bool(to_rebuild))
-            if not any(gather_objects(damaged, self._gloo)):
+            if not any(gather(damaged, self._gloo)):
                 return chosen, to_rebuild, held
 
     def restore(self, version: Optional[int], device: torch.device, drop_newer: bool = True,
@@ -213,7 +205,7 @@ class Restorer:
         times, began = RestoreTimes(), time.perf_counter()
         on_entry = sorted(set(self.store.committed()) | set(self.store.parity_held()))
         data, parity = self.held()
-        decision = self._agree(version, data, parity)
+        decision = self._choose_version(version, data, parity)
         times.agree_s = time.perf_counter() - began
         if decision is None:
             self._refuse_a_fresh_start(on_entry)
@@ -228,7 +220,7 @@ class Restorer:
             if column_rebuilds:
                 problem = self._rebuild(chosen, held, data, parity)
             # Every rank takes the same way out, or the next collective would hang.
-            problems = [p for p in gather_objects(problem, self._gloo) if p is not None]
+            problems = all_problems(problem, self._gloo)
             if problems:
                 raise NotRecoverableFromMemory(f"version {chosen} cannot be rebuilt from memory: "
                                                f"{'; '.join(problems)}. Fall back to a disk checkpoint.")
@@ -236,7 +228,7 @@ class Restorer:
             stored = column_rebuilds and self._protect_rebuilt(data[chosen],
                                                                self.rank in to_rebuild or chosen not in parity)
             # For `ftmem status`: protected again once every rank holds its parity of it.
-            if all(gather_objects(chosen in parity or stored, self._gloo)) and \
+            if all(gather(chosen in parity or stored, self._gloo)) and \
                     (self.store.read_protected() or 0) < chosen:
                 self.store.write_protected(chosen)
         times.rebuild_s = time.perf_counter() - began
@@ -258,7 +250,7 @@ class Restorer:
         """No rank has intact data of any version. That is a fresh job only if no rank held
         anything when the restore began: versions whose every copy was found damaged (and
         dropped) must not pass for a job that never saved."""
-        held = sorted(set().union(*gather_objects(on_entry, self._gloo)))
+        held = sorted(set().union(*gather(on_entry, self._gloo)))
         if held:
             raise NotRecoverableFromMemory(
                 f"memory held version(s) {held} of this job, but no rank has intact data of any of them (each "

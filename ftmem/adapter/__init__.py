@@ -15,11 +15,11 @@ from ftmem._engine.restore import Restored, RestoreTimes
 from ftmem._shm.private import write_atomically
 from ftmem._state.destinations import RestoreTargets, TensorPlace
 from ftmem._state.gc_deferral import collection_deferred
-from ftmem.adapter._runtime import DISK, MEMORY, SCRATCH, AdapterRuntime, Resumption, check_startup
+from ftmem.adapter._runtime import DISK, MEMORY, SCRATCH, AdapterRuntime, ResumeSource, Resumption, check_startup
 from ftmem.config import DP_SHARD_CHOICES, FtmemConfig
 
 __all__ = [
-    "AdapterRuntime", "Resumption", "MEMORY", "DISK", "SCRATCH", "check_startup",
+    "AdapterRuntime", "Resumption", "ResumeSource", "MEMORY", "DISK", "SCRATCH", "check_startup",
     "FrameworkFormat", "RestoreTargets", "TensorPlace", "Adopted", "OtherWorlds",
     "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes",
     "collection_deferred", "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins",

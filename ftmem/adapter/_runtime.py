@@ -19,6 +19,7 @@ does the rest, the same way for DeepSpeed and Megatron:
 from __future__ import annotations
 
 import atexit
+import enum
 import functools
 import itertools
 import os
@@ -43,16 +44,28 @@ from ftmem._engine.ownership import other_worlds_refused, versions_of_other_jobs
 from ftmem._common.parallel import ParallelLayout
 from ftmem._common.identity import check_node_layout
 from ftmem._disk.persist import Flusher, check_writable
-from ftmem._engine.restore import Restored, RestoreTimes, gather_objects
+from ftmem._common.collective import first_problem, gather
+from ftmem._engine.restore import Restored, RestoreTimes
 
-MEMORY, DISK, SCRATCH = "memory", "disk", "scratch"
+class ResumeSource(enum.Enum):
+    """Where a restart resumes from."""
+
+    MEMORY = "memory"  # a version in shared memory, this job's or adopted from another world's job
+    DISK = "disk"  # the newest checkpoint on disk (the framework's own, or the persistent tier's)
+    SCRATCH = "scratch"  # nothing: a fresh start
+
+    def __str__(self) -> str:
+        return self.value
+
+
+MEMORY, DISK, SCRATCH = ResumeSource.MEMORY, ResumeSource.DISK, ResumeSource.SCRATCH
 
 
 @dataclass(frozen=True)
 class Resumption:
     """Where a restart resumes from, decided the same way on every rank."""
 
-    source: str  # MEMORY, DISK or SCRATCH
+    source: ResumeSource
     restored: Optional[Restored] = None  # the version, when the source is this job's memory
     adopted: Optional[Adopted] = None  # the version, when the source is another world's job's memory
     reason: Optional[str] = None  # why memory did not serve, when it did not and something was there
@@ -71,14 +84,14 @@ class AdapterRuntime:
         checkpoint (None if none), asked at the end when the script did not say (an end at exit)."""
         self.config, self.format = config, format
         self._framework_on_disk = framework_on_disk
-        self.engine = SnapshotEngine(config, layout=layout, format=format.name,
+        self._engine = SnapshotEngine(config, layout=layout, format=format.name,
                                      origin=f"save dir {os.path.realpath(save_dir)}")
         self._handle: Optional[SaveHandle] = None
         if persist_dir:
-            peers = self.engine.dp_peers
-            self.engine.persist_with(Flusher(persist_dir, persist_interval, persist_keep, format, self.rank,
+            peers = self._engine.dp_peers
+            self._engine.persist_with(Flusher(persist_dir, persist_interval, persist_keep, format, self.rank,
                                              first_replica=peers.ranks[0] == self.rank,
-                                             world_size=self.engine.identity.world_size))
+                                             world_size=self._engine.identity.world_size))
         self._crashed = self._finished = False
         self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (restore_named)
         self._adopted: Optional[Adopted] = None  # another world's version this job resumed from, until freed
@@ -87,25 +100,39 @@ class AdapterRuntime:
 
     @property
     def rank(self) -> int:
-        return self.engine.rank
+        return self._engine.rank
+
+    @property
+    def identity(self):
+        """This rank's job identity (:class:`ftmem._common.identity.RankIdentity`)."""
+        return self._engine.identity
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self._engine.layout
+
+    @property
+    def last_flush(self):
+        """The persistent tier's last flush, for reports (None without one)."""
+        return self._engine.last_flush
 
     @property
     def dp_ranks(self) -> tuple[int, ...]:
-        return self.engine.dp_peers.ranks
+        return self._engine.dp_peers.ranks
 
     @property
     def dp_group(self) -> Optional[dist.ProcessGroup]:
         """A gloo group of this rank's DP replicas (None without replicas)."""
-        return self.engine.dp_peers.group
+        return self._engine.dp_peers.group
 
     # -- save ---------------------------------------------------------------------------
     def save(self, state: dict, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
              persist: bool = False) -> SaveHandle:
         """Snapshot ``state`` with this rank's RNG (under ``"rng"``) as ``version``."""
-        self._handle = self.engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
+        self._handle = self._engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
                                         persist=persist)
         self._kept_newer = []  # the save dropped every version >= its own
-        self._adopted = _freed_once_protected(self._adopted, self.engine)  # the save waited for the last one
+        self._free_adopted_once_protected()  # the save waited for the last one
         return self._handle
 
     def wait_reusable(self) -> None:
@@ -114,16 +141,27 @@ class AdapterRuntime:
             self._handle.wait_reusable()
 
     def make_step_wait(self, optimizer) -> None:
-        """Make ``optimizer.step`` wait for the last snapshot's copy first (:func:`_wait_before_step`)."""
-        _wait_before_step(optimizer, self.wait_reusable)
+        """Make ``optimizer.step`` wait for the last snapshot's copy first (once per optimizer):
+        every caller of the step is covered, with no hook in the training loop."""
+        if optimizer is None or getattr(optimizer.step, "_ftmem_waits", False):
+            return
+        stock_step, wait = optimizer.step, self.wait_reusable
+
+        @functools.wraps(stock_step)
+        def step(*args, **kwargs):
+            wait()
+            return stock_step(*args, **kwargs)
+
+        step._ftmem_waits = True
+        optimizer.step = step
 
     def wait_protected(self) -> None:
         """Until every save so far is committed and protected on every rank."""
-        self.engine.wait_protected()
+        self._engine.wait_protected()
 
     def wait_flushed(self) -> None:
         """Until every save so far is protected and any flush it started is on disk."""
-        self.engine.wait_flushed()
+        self._engine.wait_flushed()
 
     # -- restore ------------------------------------------------------------------------
     def restore(self, disk_version: Optional[int] = None, into: Optional[RestoreTargets] = None,
@@ -138,9 +176,9 @@ class AdapterRuntime:
         seen = self.gather(disk_version)
         newest_on_disk = max((v for v in seen if v is not None), default=None)
         try:
-            restored = self.engine.restore(into=into)
-            adopted = None if restored else _adopt(self.engine, self.format.name, self.agree, other_worlds)
-        except LayoutMismatch as e:  # EcGeometryMismatch included; the disk matters only if it may be loaded
+            restored = self._engine.restore(into=into)
+            adopted = None if restored else self._adopt(other_worlds)
+        except LayoutMismatch as e:  # EcGeometryMismatch too; the disk matters only if it may be loaded
             return self.refuse_memory(str(e), _seen_alike(seen) if self.config.allow_disk_fallback else newest_on_disk)
         except NotRecoverableFromMemory as e:
             return _without_memory(str(e), _seen_alike(seen))
@@ -153,26 +191,56 @@ class AdapterRuntime:
                                    f"{newest_on_disk} on disk", _seen_alike(seen))
         return Resumption(MEMORY, restored=restored, adopted=adopted)
 
+    def _adopt(self, other_worlds: Optional[OtherWorlds]) -> Optional[Adopted]:
+        """The version of another world's job from this job's origin (collective), adopted
+        (:mod:`ftmem._engine.elastic`) where ``other_worlds`` says the adapter can load it; None
+        if there is none; else LayoutMismatch saying why not."""
+        identity = self._engine.identity
+        others = self.first_problem(versions_of_other_jobs(identity))
+        if others is None:
+            return None
+        if other_worlds is None:
+            raise LayoutMismatch(other_worlds_refused(identity, others, "this framework's adapter restores from "
+                                                      "memory only onto the layout a checkpoint was saved with"))
+        self._engine.wait_idle()
+        try:
+            return adopt(identity, self._engine.job_group, self.format.name, other_worlds)
+        except LayoutMismatch as e:
+            raise LayoutMismatch(other_worlds_refused(identity, others, f"ftmem cannot resume from them: {e}")) from e
+
+    def _free_adopted_once_protected(self) -> None:
+        """Free the adopted old job's memory, the only copy of the version this job resumed
+        from, once this job holds a protected version of its own."""
+        if self._adopted is not None and self._engine.protected is not None:
+            self._adopted.free(self._engine.identity.shm_dir)
+            self._adopted = None
+
+    def read_version(self, version: int) -> Restored:
+        """``version`` as memory holds it (collective), for reading its files; the job does not
+        resume from it, and newer versions stay."""
+        return self._engine.restore(version, drop_newer=False)
+
     def restore_named(self, version: int) -> Restored:
         """Restore ``version``, which the script asked for by name (collective): that version
         or a refusal with the reason (NotRecoverableFromMemory, LayoutMismatch), never
         another in its place. Newer versions stay held, as the default engine's newer files
         stay on disk: a resume without a name still finds them, and the next save drops them."""
-        restored = self.engine.restore(version, drop_newer=False)
+        restored = self._engine.restore(version, drop_newer=False)
         # Until the next save drops them, the job's end must not free memory for the loaded
         # version alone being on disk (one view on every rank: gathered).
-        self._kept_newer = sorted({v for held in self.gather(self.engine.versions()) for v in held if v > version})
+        self._kept_newer = sorted({v for held in self.gather(self._engine.versions()) for v in held if v > version})
         return restored
 
-    def agree(self, problem: Optional[str]) -> Optional[str]:
+    def first_problem(self, problem: Optional[str]) -> Optional[str]:
         """Every rank's verdict on its own part of a restore; the first problem any rank
         has. All ranks must take the same path (memory or disk) or the next collective hangs."""
-        return next((p for p in self.gather(problem) if p is not None), None)
+        self._engine.wait_idle()
+        return first_problem(problem, self._engine.job_group)
 
     def gather(self, obj: Any) -> list:
         """Every rank's ``obj``, by rank (collective over the job's gloo group, once the save thread is idle)."""
-        self.engine.wait_idle()
-        return gather_objects(obj, self.engine.job_group)
+        self._engine.wait_idle()
+        return gather(obj, self._engine.job_group)
 
     def refuse_memory(self, problem: str, disk_version: Optional[int]) -> Resumption:
         """Memory holds a version this job cannot use (another layout, model or args):
@@ -194,18 +262,18 @@ class AdapterRuntime:
         # The job's newest version until it saves again: a job that ends without saving (a
         # relaunch at its last iteration) must keep it in memory or flush it, never free it.
         # Its next versions carry on the line it was adopted from (ftmem._engine.elastic).
-        self.engine.protected, self.engine.lineage = restored.version, restored.lineage
+        self._engine.resumed_at(restored.version, restored.lineage)
         self.last_restore = restored.times
         announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
-        free_ancestors(self.engine.identity, self.engine.job_group, restored.lineage, restored.version)
+        free_ancestors(self._engine.identity, self._engine.job_group, restored.lineage, restored.version)
 
     def resumed_by_adoption(self, adopted: Adopted, detail: str = "", rng: Any = None) -> None:
         """The adapter loaded ``adopted`` into the framework: put back ``rng`` (the RNG of the old
-        rank it took this rank's state from, if any) and say so. See :func:`_freed_once_protected`."""
+        rank it took this rank's state from, if any) and say so. See :meth:`_free_adopted_once_protected`."""
         if rng is not None:
             self.format.restore_rng(rng)
         self._adopted, self.last_restore = adopted, None
-        self.engine.lineage = (adopted.job, adopted.version)
+        self._engine.resumed_at(None, (adopted.job, adopted.version))
         announce(restored_from_memory(adopted.version, self.rank, ", ".join(filter(None, (detail, str(adopted))))))
 
     def resumed_from_disk(self, iteration: int, directory: str, reason: Optional[str]) -> None:
@@ -218,7 +286,7 @@ class AdapterRuntime:
         (collective verdict, the same on every rank), memory left as it is."""
         if reason is None:
             return
-        identity = self.engine.identity
+        identity = self._engine.identity
         raise NotRecoverableFromMemory(
             f"memory could not serve ({reason}) and {disk}. ftmem does not start from scratch in place of what this "
             f"job saved. To start over on purpose, free it first: ftmem clean --job {identity.job} --shm-dir "
@@ -232,7 +300,7 @@ class AdapterRuntime:
         self._finished = True
         _unfinished.discard(self)
         self._handle = None
-        self.engine.close(job_finished=job_finished)
+        self._engine.close(job_finished=job_finished)
 
     def finish(self, on_disk: Optional[int] = None) -> None:
         """This rank's part of the job ended (collective; also run at exit). If every rank
@@ -249,20 +317,20 @@ class AdapterRuntime:
         problem = "this rank ended with an uncaught exception" if self._crashed else None
         if problem is None:
             try:
-                self.engine.wait_flushed()
-                self._adopted = _freed_once_protected(self._adopted, self.engine)
+                self._engine.wait_flushed()
+                self._free_adopted_once_protected()
             except Exception as e:
                 problem = str(e)
         # Every rank ended cleanly, or none does anything collective beyond this vote.
-        if not self.engine.everyone_agrees(problem is None):
+        if not self._engine.every_rank_finished(problem is None):
             return self._keep(problem or "a rank did not end cleanly")
         if self._kept_newer:
             return self._keep(f"it also holds version(s) {self._kept_newer}, newer than the version it loaded by name")
-        flusher, newest = self.engine.flusher, self.engine.protected
+        flusher, newest = self._engine.flusher, self._engine.protected
         testhooks.at("finish", self.rank, -1 if newest is None else newest)
         if flusher is not None and (on_disk is None or newest is None or on_disk < newest):
             try:
-                self.engine.flush_newest()  # the persistent tier writes it first
+                self._engine.flush_newest()  # the persistent tier writes it first
             except Exception as e:
                 return self._keep(str(e))
         written = max((v for v in (on_disk, flusher and flusher.flushed_version) if v is not None), default=None)
@@ -277,51 +345,7 @@ class AdapterRuntime:
         except Exception as e:  # the failure that made it keep the memory, raised once more: the memory stays
             reason = reason if str(e) == reason else f"{reason}; then its close failed: {e}"
         # None: this run saved nothing and restored nothing (it failed first); what it held stays.
-        _say_kept(self.engine.identity, max(self._kept_newer, default=self.engine.protected), reason)
-
-
-def _wait_before_step(optimizer, wait: Callable[[], None]) -> None:
-    """Make ``optimizer.step`` call ``wait`` first (once per optimizer): every caller of the
-    step is covered, with no hook in the training loop."""
-    if optimizer is None or getattr(optimizer.step, "_ftmem_waits", False):
-        return
-    stock_step = optimizer.step
-
-    @functools.wraps(stock_step)
-    def step(*args, **kwargs):
-        wait()
-        return stock_step(*args, **kwargs)
-
-    step._ftmem_waits = True
-    optimizer.step = step
-
-
-def _freed_once_protected(adopted: Optional[Adopted], engine: SnapshotEngine) -> Optional[Adopted]:
-    """``adopted`` until this job holds a protected version of its own; then its memory, the
-    only copy of that version until then, is freed, and None."""
-    if adopted is not None and engine.protected is not None:
-        adopted.free(engine.identity.shm_dir)
-        return None
-    return adopted
-
-
-def _adopt(engine: SnapshotEngine, format_name: str, agree: Callable[[Optional[str]], Optional[str]],
-           other_worlds: Optional[OtherWorlds]) -> Optional[Adopted]:
-    """The version of another world's job from this job's origin (collective), adopted
-    (:mod:`ftmem._engine.elastic`) where ``other_worlds`` says the adapter can load it; None if
-    there is none; else LayoutMismatch saying why not."""
-    identity = engine.identity
-    others = agree(versions_of_other_jobs(identity))
-    if others is None:
-        return None
-    if other_worlds is None:
-        raise LayoutMismatch(other_worlds_refused(identity, others, "this framework's adapter restores from memory "
-                                                  "only onto the layout a checkpoint was saved with"))
-    engine.wait_idle()
-    try:
-        return adopt(identity, engine.job_group, format_name, other_worlds)
-    except LayoutMismatch as e:
-        raise LayoutMismatch(other_worlds_refused(identity, others, f"ftmem cannot resume from them: {e}")) from e
+        _say_kept(self._engine.identity, max(self._kept_newer, default=self._engine.protected), reason)
 
 
 def _without_memory(reason: Optional[str], disk_version: Optional[int]) -> Resumption:
