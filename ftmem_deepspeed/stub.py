@@ -27,6 +27,11 @@ _STUB_GLOBAL = (ftmem_guard.__name__, ftmem_guard.ftmem_in_memory_checkpoint_stu
 torch.serialization.add_safe_globals([ftmem_guard.ftmem_in_memory_checkpoint_stub])
 
 
+# The stub's own format. 1: tag_file, job, metadata; 2: also world (the writer's world size
+# and ranks per node). A stub without "format" is of format 1.
+STUB_FORMAT = 2
+
+
 class _Stub:
     def __init__(self, info: dict):
         self.info = info
@@ -40,7 +45,8 @@ def write_stub(path: str, tag_file: str, job: str, metadata: dict, world: tuple[
     what a relaunch at another size changed."""
     # Every DP replica writes the same model-states stub: each under a temporary name of its own.
     stub = io.BytesIO()
-    torch.save(_Stub({"tag_file": tag_file, "job": job, "metadata": metadata, "world": list(world)}), stub)
+    torch.save(_Stub({"format": STUB_FORMAT, "tag_file": tag_file, "job": job, "metadata": metadata,
+                      "world": list(world)}), stub)
     write_atomically(path, stub.getvalue())
 
 
@@ -87,8 +93,8 @@ def _load(path: str, whole: bool):
 
 
 def read_stub(path: str) -> dict:
-    """A stub's info: ``tag_file``, ``job``, ``metadata`` and ``world`` (not in stubs written
-    before 2026-11-26); ValueError if ``path`` is none."""
+    """A stub's info: ``tag_file``, ``job``, ``metadata``, and from format 2 on ``world``
+    (``format``: :data:`STUB_FORMAT`, 1 where absent); ValueError if ``path`` is none."""
     try:
         return _load(path, whole=True)
     except _NotAStub:

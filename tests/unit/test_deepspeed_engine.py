@@ -29,8 +29,8 @@ def test_stub_files_are_told_apart_from_real_checkpoints_and_say_what_they_are(t
     other.write_bytes(b"not a torch archive")
     assert is_stub(str(stub)) and not is_stub(str(real)) and not is_stub(str(other))
     assert not is_stub(str(tmp_path / "missing.pt"))
-    assert read_stub(str(stub)) == {"tag_file": "global_step3/stub.pt", "job": "job-a", "metadata": metadata,
-                                    "world": [4, 2]}
+    assert read_stub(str(stub)) == {"format": 2, "tag_file": "global_step3/stub.pt", "job": "job-a",
+                                    "metadata": metadata, "world": [4, 2]}
     with pytest.raises(ValueError, match="is not an ftmem stub"):
         read_stub(str(real))
     assert file_key(str(real)) == "global_step3/real.pt"
