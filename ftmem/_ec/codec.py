@@ -31,9 +31,9 @@ _u8p = ctypes.POINTER(ctypes.c_ubyte)
 
 def _isal_candidates():
     """Paths of ISA-L to try: pyeclib's bundled copy, then the system's. Lazily: the
-    system's lookup (``ctypes.util.find_library`` runs ``ldconfig``) took 14 ms of a
-    restarted rank's start here, and is needed only where pyeclib's copy is missing or
-    does not load."""
+    system's lookup (``ctypes.util.find_library`` runs ``ldconfig``, a process) would
+    slow every restarted rank's start, and is needed only where pyeclib's copy is missing
+    or does not load."""
     try:
         import pyeclib
 

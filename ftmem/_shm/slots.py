@@ -228,8 +228,8 @@ class RankStore:
 
 # -- records as JSON ------------------------------------------------------------------
 # The last plan written and its JSON: a rank's saves reuse one plan while the state keeps its
-# shapes (ftmem._state.plan.Planner), and encoding its ~1,700 entries anew took ~6 ms of the copy
-# thread, GIL held, at every commit.
+# shapes (ftmem._state.plan.Planner), and encoding every entry anew would cost the copy thread,
+# GIL held, time at every commit.
 _last_plan_json: tuple[Optional[SnapshotPlan], Any] = (None, None)
 
 

@@ -1,5 +1,5 @@
-"""Checksums: of shard bytes, and of the markers that describe them. xxh3-64 runs at
->15 GB/s per core here and releases the GIL."""
+"""Checksums: of shard bytes, and of the markers that describe them. xxh3-64 is among the
+fastest non-cryptographic hashes and releases the GIL."""
 from __future__ import annotations
 
 import os
@@ -17,9 +17,9 @@ def checksum(buffer) -> str:
     return xxhash.xxh3_64_hexdigest(buffer)
 
 
-# A version's data is checksummed in chunks of this size by a few threads at once: one core
-# took 2 s for the 15 GB snapshot of a 1.1B-parameter model on a GPU host (7.5 GB/s),
-# longer than the copy, and a save waits for the previous one's checksum.
+# A version's data is checksummed in chunks of this size by a few threads at once: on one
+# core, the checksum of a large snapshot takes longer than its copy, and a save waits for
+# the previous one's checksum.
 DATA_CHUNK = 64 << 20
 _DATA_THREADS = min(4, os.cpu_count() or 1)
 _pool: Optional[ThreadPoolExecutor] = None

@@ -70,8 +70,8 @@ Window = tuple[int, torch.Tensor, Optional[slice]]
 class SlotWindows:
     """Where each tensor of a plan goes in a slot: made once per slot mapping and plan, and
     reused by every later save into that slot while the plan stays (:class:`ftmem._state.plan.Planner`
-    keeps it). Making ~1,700 views of a slot took ~5 ms a save on the copy thread, with the
-    GIL held: time the training thread's kernel launches waited for."""
+    keeps it). Making a view per tensor at every save costs the copy thread time with the
+    GIL held, which the training thread's kernel launches wait for (docs/benchmarks.md)."""
 
     def __init__(self) -> None:
         self._made: dict[int, tuple] = {}  # slot -> (its mapping, the plan, the windows)

@@ -5,8 +5,7 @@ dicts, the skeleton's pickle). With the collector on, every collection during th
 moves the ones still alive into an older generation, and the count of objects moved there
 is what triggers a full collection of the training process (about 0.1 s) every few saves.
 With it off for the call, they die by reference counting when the call returns and are
-never moved. Measured on a 20-layer megatron-core GPT, 35 iterations with a save after each:
-498 collections taking 171 ms (one full), against 140 taking 14 ms with the call deferred.
+never moved (docs/benchmarks.md has the collections counted with and without it).
 Megatron-LM's ``--manual-gc`` turns the collector off for the same reason; then this does nothing.
 """
 from __future__ import annotations

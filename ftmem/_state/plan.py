@@ -90,7 +90,7 @@ class SnapshotPlan:
 class Planner:
     """Plans one rank's saves, and reuses the last plan while every tensor keeps its dtype,
     shape and kind (as from one save of a training loop to the next): a plan depends on
-    nothing else, and planning ~1,700 tensors anew took ~5 ms of the save call on a GPU host."""
+    nothing else, and planning every tensor anew is a cost of every save call."""
 
     def __init__(self):
         self._last: Optional[tuple[tuple, SnapshotPlan]] = None
