@@ -15,21 +15,25 @@ from ftmem._common.logs import restored_from_disk, restored_from_memory
 from ftmem._common.parallel import ParallelLayout
 from ftmem._engine.engine import SnapshotEngine
 from ftmem._engine.handle import SaveHandle
-from ftmem._engine.ownership import ForeignVersions
 from ftmem._engine.restore import Restored, RestoreTimes
+from ftmem._state.destinations import RestoreTargets, TensorPlace
 from ftmem._state.rng import rng_states, set_rng_states
 from ftmem.config import DP_SHARD_CHOICES, FtmemConfig
-from ftmem.errors import (CollectiveNotJoined, ConfigError, CorruptShard, EcGeometryMismatch, FtmemError,
-                          JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion, NotRecoverableFromMemory,
-                          ShmBudgetError, SmpError, UnadmittedType, UnsafeSharedMemory, UnsupportedTensor)
+from ftmem.errors import (CollectiveNotJoined, ConfigError, CorruptShard, EcGeometryMismatch, ForeignVersions,
+                          FtmemError, JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion, NotRecoverableFromMemory,
+                          SharedMemoryRemoved, ShmBudgetError, SmpError, SmpUnresponsive, UnadmittedType,
+                          UnsafeSharedMemory, UnsupportedTensor)
 
 __all__ = [
     "SnapshotEngine", "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes",
     "rng_states", "set_rng_states",
+    # what a restore writes into, instead of new memory (SnapshotEngine.restore's into=)
+    "RestoreTargets", "TensorPlace",
     # the contract's log lines, for an application that restores by itself
     "restored_from_memory", "restored_from_disk",
     # errors
     "FtmemError", "ConfigError", "CorruptShard", "LayoutMismatch", "EcGeometryMismatch", "NoRecoverableVersion",
-    "NotRecoverableFromMemory", "ShmBudgetError", "SmpError", "UnsupportedTensor", "UnadmittedType",
-    "UnsafeSharedMemory", "ForeignVersions", "JobAlreadyRunning", "CollectiveNotJoined",
+    "NotRecoverableFromMemory", "ShmBudgetError", "SmpError", "SmpUnresponsive", "SharedMemoryRemoved",
+    "UnsupportedTensor", "UnadmittedType", "UnsafeSharedMemory", "ForeignVersions", "JobAlreadyRunning",
+    "CollectiveNotJoined",
 ]

@@ -1,5 +1,12 @@
 """Errors ftmem raises. Each message says what is wrong and what to do about it."""
 
+__all__ = [
+    "FtmemError", "ConfigError", "ShmBudgetError", "SmpError", "SmpUnresponsive", "SharedMemoryRemoved",
+    "NoRecoverableVersion", "NotRecoverableFromMemory", "CorruptShard", "LayoutMismatch", "EcGeometryMismatch",
+    "UnsupportedTensor", "JobAlreadyRunning", "UnsafeSharedMemory", "UnadmittedType", "ForeignVersions",
+    "CollectiveNotJoined",
+]
+
 
 class FtmemError(RuntimeError):
     """Base class of every error ftmem raises on purpose."""
@@ -61,6 +68,10 @@ class UnsafeSharedMemory(FtmemError):
 
 class UnadmittedType(FtmemError, TypeError):
     """A state holds an object of a type that a snapshot's skeleton does not admit."""
+
+
+class ForeignVersions(FtmemError):
+    """Shared memory under this job's id holds versions another job saved."""
 
 
 class CollectiveNotJoined(FtmemError):

@@ -213,7 +213,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         ``(load_dir, None)`` to let DeepSpeed read ``latest`` when it names another
         engine's files; None for a fresh job, which has nothing to resume from. Memory that
         held versions it cannot give back, with no disk checkpoint, is refused with the
-        reason (:meth:`ftmem.AdapterRuntime.resumed_from_scratch`). A restore from memory
+        reason (:meth:`ftmem.adapter.AdapterRuntime.resumed_from_scratch`). A restore from memory
         writes into the engine's tensors that ``into`` names (:mod:`ftmem_deepspeed.targets`).
         When ``latest`` names an ftmem checkpoint that neither memory nor the persistent
         tier can give back, the load is refused: DeepSpeed's default engine would have
@@ -260,7 +260,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         """What the default engine's file at ``path`` (a stub in the save dir) would hold,
         from the version its tag names: the restored one, or any other that memory holds.
         The file may be another rank's, so the first read of a version is a collective
-        (every rank's files of it are gathered; see :func:`ftmem.everyone_joins`)."""
+        (every rank's files of it are gathered; see :func:`ftmem.adapter.everyone_joins`)."""
         self._refuse_another_job_s(path)
         tag = _tag_of(path)
         if self._served is None or self._served[0] != tag:

@@ -14,7 +14,7 @@ step overwrites what is being copied.
 
 Megatron-LM calls module functions, so this module keeps one :class:`MegatronCheckpointer`
 per process (started at the first save or load) and the functions delegate to it; the
-policies it shares with the DeepSpeed adapter live in :class:`ftmem.AdapterRuntime`.
+policies it shares with the DeepSpeed adapter live in :class:`ftmem.adapter.AdapterRuntime`.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The engine snapshots opaque state; three things about that state only the framew
 knows, and an adapter tells them through this seam:
 
 * **what is replicated across DP**: the ``replicated(t)`` predicate handed to each
-  :meth:`ftmem.SnapshotEngine.save` (through :meth:`ftmem.AdapterRuntime.save`): tensors
+  :meth:`ftmem.SnapshotEngine.save` (through :meth:`ftmem.adapter.AdapterRuntime.save`): tensors
   identical on every replica of the rank's DP group, of which each replica keeps 1/D;
 * **how a held version is written to disk in the framework's own layout**, for the
   persistent tier's flushes (:mod:`ftmem._disk.persist`) and ``ftmem export``

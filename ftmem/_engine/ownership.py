@@ -24,15 +24,11 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ftmem.errors import CorruptShard, FtmemError, LayoutMismatch
+from ftmem.errors import CorruptShard, ForeignVersions, FtmemError, LayoutMismatch
 from ftmem._common.identity import RankIdentity, world_in_words
 from ftmem._shm.jobs import list_jobs, node_dirs, node_ranks, recorded_ranks
 from ftmem._common.collective import gather
 from ftmem._shm.slots import CommitRecord, RankStore, ranks_in
-
-
-class ForeignVersions(FtmemError):
-    """Shared memory under this job's id holds versions another job saved."""
 
 
 def foreign_versions(store: RankStore, origin: str) -> Optional[str]:

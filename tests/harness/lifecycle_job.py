@@ -1,4 +1,4 @@
-"""A job on the adapter runtime (ftmem.AdapterRuntime) for the lifecycle tests: every
+"""A job on the adapter runtime (ftmem.adapter.AdapterRuntime) for the lifecycle tests: every
 rank saves a replicated tensor per step, protected, and ends the way ``--end`` says.
 
     python -m tests.harness.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close,hang} [--persist DIR]

@@ -115,3 +115,13 @@ def test_library_code_logs_instead_of_printing(path):
     prints = [node.lineno for node in ast.walk(parse(path))
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
     assert not prints, f"{os.path.relpath(path, REPO)} prints at lines {prints}"
+
+
+def test_every_error_is_exported_by_the_application_namespace_too():
+    import ftmem
+    import ftmem.errors
+
+    classes = {name for name, value in vars(ftmem.errors).items()
+               if isinstance(value, type) and issubclass(value, Exception) and value.__module__ == "ftmem.errors"}
+    assert classes == set(ftmem.errors.__all__)
+    assert set(ftmem.errors.__all__) <= set(ftmem.__all__), set(ftmem.errors.__all__) - set(ftmem.__all__)

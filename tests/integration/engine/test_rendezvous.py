@@ -1,4 +1,4 @@
-"""ftmem.everyone_joins on a real two-rank job (gloo), on the launcher's TCPStore and on
+"""ftmem.adapter.everyone_joins on a real two-rank job (gloo), on the launcher's TCPStore and on
 the FileStore of ``init_method="file://..."`` (as DeepSpeed's own unit tests start their
 ranks): a FileStore's wait runs out with another error than a TCPStore's."""
 import os
