@@ -471,7 +471,7 @@ def main(argv=None) -> None:
               f"{args.num_microbatches} micro-batches per iteration, optimizer {type(optimizer).__name__}, "
               f"{'bf16' if args.bf16 else 'fp32'} parameters, "
               f"starting at iteration {iteration}, on "
-              f"{'CUDA' if torch.cuda.is_available() else 'the CPU (ftmem_megatron.cpu enabled)'}", flush=True)
+              f"{'CUDA' if torch.cuda.is_available() else 'the CPU (its CPU support enabled)'}", flush=True)
     losses = train(args, model, optimizer, opt_param_scheduler, iteration, flops_so_far)
     if args.out:
         write_out(args, losses, model, optimizer)
