@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from harness.common import LogLines, TEST_SHM_PREFIX, free_shm_dir, leftover_smps, new_shm_dir
-from harness.ranks import kill_ranks_left_running, stop_fork_server
+from harness.ranks import kill_ranks_left_running, stop_fork_servers
 
 
 def pytest_addoption(parser):
@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(items):
 def no_leaks_after_suite():
     """The whole suite must leave no SMP process and no shared memory behind."""
     yield
-    stop_fork_server()
+    stop_fork_servers()
     smps, dirs = leftover_smps(), glob.glob(TEST_SHM_PREFIX + "*")
     for pid in smps:
         os.kill(pid, 9)

@@ -1,11 +1,13 @@
 """Starting a job's ranks as local processes, one per rank, so that single ranks can be
 SIGKILLed and the job restarted: what torchrun does, minus its restart policy.
 
-A rank is forked from the session's fork server (tests/harness/zygote.py), which has
-torch, DeepSpeed and megatron-core imported already, unless its environment changes how
-those imports go (another ``PYTHONPATH``, torch's backend autoload off for a run without
-any ftmem module, another accelerator): such a rank starts as a cold ``python -m``. Either
-way it is a real process, killed for real.
+A rank is forked from a fork server (tests/harness/zygote.py) that has torch, DeepSpeed
+and megatron-core imported already: one server per environment of imports (``PYTHONPATH``,
+torch's backend autoload, threads), started with that environment, so that a rank finds
+what a cold ``python -m`` would have imported. A server whose ``PYTHONPATH`` may bring
+packages of its own (a Megatron-LM tree, a patched DeepSpeed) imports only torch and numpy
+ahead. A rank where CUDA is present starts cold. Either way it is a real process, killed
+for real.
 """
 from __future__ import annotations
 
@@ -24,11 +26,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 #: what every rank gets (and the fork server was started with)
 RANK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-# Read while torch and DeepSpeed are imported: a rank that sets them otherwise starts cold.
-# DeepSpeed picks its accelerator at import; the server's is the CPU, which is also what a
-# rank on a machine without CUDA finds by itself.
+# Read while torch and DeepSpeed are imported: each set of their values has its server.
+# DeepSpeed picks its accelerator at import; a server's is the CPU, which is also what a
+# rank on a machine without CUDA finds by itself (a rank asking for another starts cold).
 _IMPORT_ENV = ("PYTHONPATH", "PYTHONHOME", "TORCH_DEVICE_BACKEND_AUTOLOAD", "OMP_NUM_THREADS")
-_SERVER_ENV = {**RANK_ENV, "DS_ACCELERATOR": "cpu"}
 
 
 def free_port() -> int:
@@ -45,16 +46,23 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.05)
 
 
-class _ForkServer:
-    """The session's fork server and what it reports: the pid of each child it forked
-    (in order) and the exit code of each that ended."""
+def _import_env(env: dict) -> tuple:
+    return tuple(env.get(name) for name in _IMPORT_ENV)
 
-    def __init__(self):
-        env = dict(os.environ, **_SERVER_ENV)
-        for name in ("PYTHONPATH", "TORCH_DEVICE_BACKEND_AUTOLOAD"):
-            env.pop(name, None)
-        self.env = env
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.harness.zygote"], cwd=REPO, env=env,
+
+class _ForkServer:
+    """A fork server for ranks of one environment of imports, and what it reports: the
+    pid of each child it forked (in order) and the exit code of each that ended."""
+
+    def __init__(self, imports: tuple):
+        env = dict(os.environ, DS_ACCELERATOR="cpu")
+        for name, value in zip(_IMPORT_ENV, imports):
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
+        preload = "all" if env.get("PYTHONPATH") is None else "torch"
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.harness.zygote", preload], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._changed = threading.Condition()
         self._forked: list[int] = []
@@ -73,10 +81,6 @@ class _ForkServer:
                 self._changed.notify_all()
         with self._changed:  # the server is gone: no more reports
             self._changed.notify_all()
-
-    def serves(self, env: dict) -> bool:
-        return (env.get("DS_ACCELERATOR", "cpu") == "cpu"
-                and all(env.get(name) == self.env.get(name) for name in _IMPORT_ENV))
 
     def fork(self, module: str, args: Sequence[str], env: dict, log: str) -> int:
         request = {"module": module, "args": list(args), "env": env, "cwd": os.getcwd(), "log": log}
@@ -104,21 +108,29 @@ class _ForkServer:
                 self.proc.wait()
 
 
-_server: Optional[_ForkServer] = None
-_server_lock = threading.Lock()
+_servers: dict[tuple, _ForkServer] = {}
+_servers_lock = threading.Lock()
 
 
-def _fork_server() -> _ForkServer:
-    global _server
-    with _server_lock:
-        if _server is None or _server.proc.poll() is not None:
-            _server = _ForkServer()
-        return _server
+def _fork_server(env: dict) -> Optional[_ForkServer]:
+    """The server for a rank of ``env``; None where the rank must start cold (CUDA present:
+    its accelerator is chosen at import; or another accelerator asked for)."""
+    import torch
+
+    if torch.cuda.is_available() or env.get("DS_ACCELERATOR", "cpu") != "cpu":
+        return None
+    imports = _import_env(env)
+    with _servers_lock:
+        server = _servers.get(imports)
+        if server is None or server.proc.poll() is not None:
+            server = _servers[imports] = _ForkServer(imports)
+        return server
 
 
-def stop_fork_server() -> None:
-    if _server is not None:
-        _server.close()
+def stop_fork_servers() -> None:
+    for server in _servers.values():
+        server.close()
+    _servers.clear()
 
 
 class ForkedRank:
@@ -159,12 +171,9 @@ def kill_ranks_left_running() -> None:
 
 def start_rank(module: str, args: Sequence[str], env: dict, log_path: str):
     """One rank running ``python -m <module> <args>`` with ``env``, its output appended to
-    ``log_path``; forked where the fork server serves it (never where CUDA is: a GPU rank
-    starts cold, as its accelerator is chosen at import)."""
-    import torch
-
-    server = None if torch.cuda.is_available() else _fork_server()
-    if server is not None and server.serves(env):
+    ``log_path``: forked by the server of its imports, or started cold (:func:`_fork_server`)."""
+    server = _fork_server(env)
+    if server is not None:
         proc = ForkedRank(server, server.fork(module, args, env, log_path))
     else:
         with open(log_path, "ab") as log:

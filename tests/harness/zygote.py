@@ -1,5 +1,5 @@
-"""A fork server for rank processes: ``python -m tests.harness.zygote`` imports torch,
-DeepSpeed and megatron-core once, then forks one child per rank on request. Each child
+"""A fork server for rank processes: ``python -m tests.harness.zygote all|torch`` imports
+torch, DeepSpeed and megatron-core (or torch alone) once, then forks one child per rank on request. Each child
 becomes ``python -m <module> <args>`` with its own environment, working directory and
 log, and is a real process of its own: SIGKILLed for real, its memory its own, ending
 through the interpreter's ordinary exit (atexit handlers, ``sys.excepthook``, exit code).
@@ -21,17 +21,20 @@ import select
 import signal
 import sys
 
-#: what every forked rank finds imported; anything else it imports itself
-PRELOAD = ("torch", "deepspeed", "megatron.core", "megatron.core.models.gpt", "numpy")
+#: what every forked rank finds imported; anything else it imports itself. Where the
+#: server's PYTHONPATH may hold its own DeepSpeed or Megatron (argument ``torch``), only
+#: torch and numpy: what the path brings is imported by each rank from it.
+PRELOAD = {"all": ("torch", "numpy", "deepspeed", "megatron.core", "megatron.core.models.gpt"),
+           "torch": ("torch", "numpy")}
 
 
-def _preload() -> None:
+def _preload(which: str) -> None:
     import importlib
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core's notes on missing Apex: each rank prints its own
-        for name in PRELOAD:
+        for name in PRELOAD[which]:
             importlib.import_module(name)
 
 
@@ -103,7 +106,7 @@ def _become(request: dict, channel: list) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C to the test session ends it, which closes stdin
-    _preload()
+    _preload(sys.argv[1])
     channel = [sys.stdin, sys.stdout]
     rank = _serve(sys.stdin, sys.stdout)
     _become(rank, channel)
