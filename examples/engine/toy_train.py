@@ -16,8 +16,9 @@ Run one rank per process with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set::
 Writes ``DIR/rank<r>.losses.jsonl`` (one {"it", "loss"} per step) and, at the end,
 ``DIR/rank<r>.final.pt``. ``--stop-after N`` makes the rank wait, after version N is
 committed and protected, until it is killed (a crash test's "between saves"). If
-versions are held but none is recoverable, it says so and exits with status 3
-(where a real trainer falls back to its disk checkpoint). ``--no-snapshots`` trains the
+versions are held but none is recoverable, or none for the layout and EC geometry it runs
+now, it says so and exits with status 3 (where a real trainer falls back to its disk
+checkpoint, or stops). ``--no-snapshots`` trains the
 same steps without ftmem: no SnapshotEngine, nothing saved or restored (the tests'
 uninterrupted reference runs, which show that the snapshots change nothing in training).
 """
@@ -32,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from examples.process_end import end_process
-from ftmem import NotRecoverableFromMemory, SnapshotEngine, restored_from_memory, rng_states, set_rng_states
+from ftmem import (LayoutMismatch, NotRecoverableFromMemory, SnapshotEngine, restored_from_memory, rng_states,
+                   set_rng_states)
 
 IN, HIDDEN, OUT = 32, 64, 8
 # Flags that configure the snapshots, refused with --no-snapshots (which takes none).
@@ -88,7 +90,7 @@ def main(argv=None) -> None:
     start = 0
     try:
         restored = engine.restore() if engine is not None else None
-    except NotRecoverableFromMemory as e:
+    except (NotRecoverableFromMemory, LayoutMismatch) as e:
         print(f"ftmem: {e}", flush=True)
         # Every rank refuses at this same point, so all can close together, and leaves as a
         # clean end does (examples.process_end): exiting with gloo's threads still running

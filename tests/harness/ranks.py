@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 #: the repository's root: ranks run from it, as ``python -m`` of its modules
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-#: what every rank gets (and the fork server was started with)
+#: what every rank gets (OMP_NUM_THREADS is read at torch's import: its server is started with it too)
 RANK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 # Read while torch and DeepSpeed are imported: each set of their values has its server.
 # DeepSpeed picks its accelerator at import; a server's is the CPU, which is also what a
@@ -147,6 +147,9 @@ class ForkedRank:
     def wait(self, timeout: Optional[float] = None) -> int:
         if self.returncode is None:
             self.returncode = self.server.code(self.pid, timeout)
+        if self.returncode is None and self.server.proc.poll() is not None:
+            raise RuntimeError(f"the fork server that started rank pid {self.pid} exited "
+                               f"({self.server.proc.returncode}) before the rank's end was reported")
         if self.returncode is None:
             raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
         return self.returncode

@@ -211,7 +211,7 @@ def test_a_rebuild_under_another_ec_geometry_is_refused_on_every_rank(shm_dir, t
     job.lose_node(1)
     codes = job.run("--ec-k", "1", "--ec-m", "2")  # the same job restarted with another "ec"
     logs = [job.log(rank) for rank in range(WORLD)]
-    assert codes == [3] * WORLD, logs  # NotRecoverableFromMemory on every rank: no garbage, no hang
+    assert codes == [3] * WORLD, logs  # EcGeometryMismatch on every rank: no garbage, no hang
     for log in logs:
         assert "no version is recoverable from memory" in log
         assert "was written for k=2, m=1 over nodes [0, 1, 2]" in log
