@@ -175,6 +175,9 @@ def kill_ranks_left_running() -> None:
 def start_rank(module: str, args: Sequence[str], env: dict, log_path: str):
     """One rank running ``python -m <module> <args>`` with ``env``, its output appended to
     ``log_path``: forked by the server of its imports, or started cold (:func:`_fork_server`)."""
+    # The log exists once the rank is started, as a cold start's does (its parent opens it):
+    # a test may read it before the forked child has opened it for itself.
+    open(log_path, "ab").close()
     server = _fork_server(env)
     if server is not None:
         proc = ForkedRank(server, server.fork(module, args, env, log_path))
