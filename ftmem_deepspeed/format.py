@@ -54,6 +54,6 @@ class DeepSpeedFormat(FrameworkFormat):
             shutil.copyfile(os.path.join(scripts, script), os.path.join(root, script))  # where DeepSpeed puts them
         write_atomically(os.path.join(root, "latest"), name.encode())
 
-    def restore_rng_from(self, directory: str, rank: int) -> None:
-        """Put back the RNG a flushed checkpoint holds for ``rank``."""
-        self.restore_rng(torch.load(os.path.join(directory, rng_file(rank)), weights_only=False))
+    def read_rng(self, directory: str, rank: int):
+        """The RNG a flushed checkpoint holds for ``rank`` (stock DeepSpeed saves none)."""
+        return torch.load(os.path.join(directory, rng_file(rank)), weights_only=False)

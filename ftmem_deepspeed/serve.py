@@ -23,7 +23,9 @@ import os
 
 import torch
 
-from .checkpoint_engine import FtmemCheckpointEngine, apply_map_location
+from ftmem.adapter import apply_map_location
+
+from .checkpoint_engine import FtmemCheckpointEngine
 
 
 def install_torch_load_hook() -> None:

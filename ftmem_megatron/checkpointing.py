@@ -18,6 +18,7 @@ policies it shares with the DeepSpeed adapter live in :class:`ftmem.adapter.Adap
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -28,9 +29,8 @@ from torch.overrides import TorchFunctionMode
 from megatron.core import parallel_state
 from megatron.core.utils import unwrap_model
 
-from ftmem import (ConfigError, LayoutMismatch, NotRecoverableFromMemory, ParallelLayout, Restored, RestoreTimes,
-                   SaveHandle)
-from ftmem.adapter import (DISK, MEMORY, Adopted, AdapterRuntime, OtherWorlds, RestoreTargets, Resumption,
+from ftmem import ConfigError, LayoutMismatch, ParallelLayout, Restored, RestoreTimes, SaveHandle
+from ftmem.adapter import (DISK, MEMORY, SCRATCH, Adopted, AdapterRuntime, DiskCheckpoint, OtherWorlds, Resumption,
                            collection_deferred, gather_dp_groups, rank_info)
 
 from .arguments import validate_ftmem_args
@@ -190,7 +190,7 @@ class MegatronCheckpointer:
                                       save_dir=args.save, persist_dir=persist_dir,
                                       framework_on_disk=functools.partial(saved_iteration, args.save))
         self._described = False
-        self._memory_failed: Optional[str] = None  # why memory did not serve the last load, for the disk line
+        self._last_resume: Optional[Resumption] = None  # the last load's, for the disk line after Megatron's own load
 
     def save(self, iteration: int, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
              args, persistent: bool) -> SaveHandle:
@@ -233,42 +233,41 @@ class MegatronCheckpointer:
                   "%d DP replica(s)", mib(tensors_at(data, None)), mib(shared), replicas)
 
     def load(self, model, optimizer, opt_param_scheduler, args) -> Optional[tuple[int, Any]]:
-        on_disk = disk_iteration(args.load)
+        """See :func:`load_checkpoint`. The restore runs in the runtime's phases; Megatron's
+        code (the load's template, the loads into model and optimizer) runs between them."""
         model = model if isinstance(model, list) else [model]
         scope = LoadScope.of(args)
         # An optimizer left as built is not asked for its state: building a load's template
         # gives it (empty) state.
         kept_optimizer, optimizer = optimizer, (optimizer if scope.optimizer else None)
-        templates, placeholders = [], []
-
-        def targets(saved: Any) -> Optional[dict]:
-            """The load's template, built before the restore copies, so that it copies into
-            the template's tensors (which the model's and optimizer's loads then take as
-            they are): only for a version this load will take (its args fit)."""
-            if _args_mismatch(saved["args"], args, scope) is not None:
-                return None
-            templates.append(_sharded_state(model, optimizer, placeholders))
-            return {"sharded": local_tensors(templates[0], saved["places"])}
-
-        resumption = self._resumption(args, on_disk, targets)
-        self._memory_failed = resumption.reason
-        if resumption.source != MEMORY:
-            _drop(placeholders)
-            return None
-        restored = resumption.restored or self._taken_from(resumption.adopted)
-        state = restored.state
-        try:
-            problem = _args_mismatch(state["args"], args, scope)
+        step = getattr(args, "ckpt_step", None)
+        on_disk = disk_iteration(args.load) if step is None else step
+        plan = self.runtime.plan_resume(DiskCheckpoint(on_disk, args.load) if on_disk >= 0 else None,
+                                        OtherWorlds(refuse=self._cannot_load, loads=self._loads), named=step)
+        template, placeholders, problem = None, [], None
+        if plan.source == MEMORY:
+            if plan.adopted is not None:
+                plan = dataclasses.replace(plan, restored=self._taken_from(plan.adopted))
+            saved = plan.saved if plan.restored is None else plan.restored.state
+            # The load's template only for a version this load will take (its args fit): building
+            # it gives the optimizer its state, and the restore copies into its tensors.
+            problem = _args_mismatch(saved["args"], args, scope)
             if problem is None:
-                template = templates[0] if templates else _sharded_state(model, optimizer, placeholders)
-                filled = from_snapshot(template, state["sharded"], state["places"],
-                                       self._split_pieces(resumption.adopted))
-        except LayoutMismatch as e:
-            problem = str(e)
-        problem = self.runtime.first_problem(problem)
-        if problem is not None:
+                template = _sharded_state(model, optimizer, placeholders)
+            into = None
+            if template is not None and plan.chosen is not None:  # another world's version is copied already
+                into = {"sharded": local_tensors(template, saved["places"])}
+            plan = self.runtime.restore(plan, into=into, problem=problem)
+        if plan.source == MEMORY:
+            state = plan.restored.state
+            try:
+                filled = from_snapshot(template, state["sharded"], state["places"], self._split_pieces(plan.adopted))
+            except LayoutMismatch as e:
+                problem = str(e)
+            plan = self.runtime.resumed(plan, problem, detail=scope.detail, rng=state["rng"] if scope.rng else None)
+        self._last_resume = plan
+        if plan.source != MEMORY:
             _drop(placeholders)
-            self._memory_failed = self.runtime.refuse_memory(problem, on_disk if on_disk >= 0 else None).reason
             return None
         # no_grad: with fp32 parameters the DistributedOptimizer's main params are views of
         # the model's leaf parameters, which its load copies into.
@@ -286,10 +285,6 @@ class MegatronCheckpointer:
         if scope.progress:
             for name, value in state["progress"].items():
                 setattr(args, name, value)
-        if resumption.adopted is not None:
-            self.runtime.resumed_by_adoption(resumption.adopted, scope.detail, state["rng"] if scope.rng else None)
-        else:
-            self.runtime.resumed_from_memory(restored, rng=scope.rng, detail=scope.detail)
         return (state["iteration"] if scope.progress else 0), state["num_floating_point_operations_so_far"]
 
     def _cannot_load(self, saved: ParallelLayout) -> Optional[str]:
@@ -343,35 +338,24 @@ class MegatronCheckpointer:
         states = [adopted.states[r] for r in self._old_dp_group(adopted.layout)]
         return pieces_by_key([(state["sharded"], state["places"]) for state in states])
 
-    def _resumption(self, args, on_disk: int, into: RestoreTargets) -> Resumption:
-        """Memory's newest version (restored into the tensors ``into`` names); with
-        ``--ckpt-step N``, version N or the disk's iteration N."""
-        step = getattr(args, "ckpt_step", None)
-        if step is None:
-            return self.runtime.restore(disk_version=on_disk if on_disk >= 0 else None, into=into,
-                                        other_worlds=OtherWorlds(refuse=self._cannot_load, loads=self._loads))
-        try:
-            return Resumption(MEMORY, restored=self.runtime.restore_named(step))
-        except LayoutMismatch as e:  # held, but for another layout or EC geometry
-            return self.runtime.refuse_memory(str(e), on_disk if on_disk >= 0 else None)
-        except NotRecoverableFromMemory as e:
-            return Resumption(DISK, reason=f"--ckpt-step {step}: {e}")
-
     def finish(self, args) -> None:
         self.runtime.finish(on_disk=saved_iteration(args.save))
 
     def report_disk_load(self, iteration: int, args) -> None:
-        if self._memory_failed is None:
+        """After Megatron's own load from ``--load``, where memory did not serve: say so, or
+        refuse a fresh start in place of what memory held."""
+        plan = self._last_resume
+        if plan is None or plan.reason is None:
             return
         # Iteration 0 may be a load too (--finetune); a tracker may be missing (--ckpt-step).
         if iteration > 0 or disk_iteration(args.load) >= 0:
-            self.runtime.resumed_from_disk(iteration, args.load, self._memory_failed)
+            self.runtime.resumed(dataclasses.replace(plan, source=DISK, disk=DiskCheckpoint(iteration, args.load)))
         elif getattr(args, "pretrained_checkpoint", None):  # Megatron-LM loaded it, with --finetune
-            self.runtime.resumed_from_scratch(self._memory_failed, f"the only checkpoint on disk is "
-                                              f"--pretrained-checkpoint {args.pretrained_checkpoint}, which starts "
-                                              f"training over")
+            self.runtime.resumed(dataclasses.replace(plan, source=SCRATCH), disk_found=(
+                f"the only checkpoint on disk is --pretrained-checkpoint {args.pretrained_checkpoint}, which starts "
+                f"training over"))
         else:
-            self.runtime.resumed_from_scratch(self._memory_failed)
+            self.runtime.resumed(dataclasses.replace(plan, source=SCRATCH))
 
 
 _checkpointer: Optional[MegatronCheckpointer] = None
@@ -410,12 +394,6 @@ def report_disk_load(iteration: int, args) -> None:
     the log line every ftmem adapter writes on a fallback to disk."""
     if _checkpointer is not None:
         _checkpointer.report_disk_load(iteration, args)
-
-
-def wait_before_optimizer_step() -> None:
-    """The last snapshot's copy is done: the optimizer may write the state again."""
-    if _checkpointer is not None:
-        _checkpointer.runtime.wait_reusable()
 
 
 def last_restore() -> Optional[RestoreTimes]:

@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, 
                                                       ShardedTensorFactory, apply_factories, apply_factory_merges)
 
 from ftmem import LayoutMismatch
+from ftmem.adapter import leaves, map_tree
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def to_snapshot(sharded_state: Any) -> tuple[Any, dict[str, Place]]:
     apply_factories(sharded_state)
     places: dict[str, Place] = {}
 
-    def walk(node, path):
+    def local(node, path):
         if isinstance(node, ShardedTensor):
             places[_path(path)] = Place.of(node)
             return node.data
@@ -74,13 +75,9 @@ def to_snapshot(sharded_state: Any) -> tuple[Any, dict[str, Place]]:
             return node.data
         if isinstance(node, LocalNonpersistentObject):
             return None  # restored from the job's own template
-        if isinstance(node, dict):
-            return {k: walk(v, path + (k,)) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v, path + (i,)) for i, v in enumerate(node))
         return node
 
-    return walk(sharded_state, ()), places
+    return map_tree(sharded_state, local), places
 
 
 # A global tensor's pieces, as several ranks saved them: {key: {(offset, shape): (place, data)}}.
@@ -191,26 +188,16 @@ def local_tensors(template: Any, places: dict[str, Any]) -> Any:
     for its path: the tensors a restore may write straight into (:mod:`ftmem._state.destinations`),
     which :func:`from_snapshot` then finds holding their values. Factories are left as they
     are (not applied), and what they would build is not named."""
-    def walk(node, path):
+    def local(node, path):
         if isinstance(node, ShardedTensor):
             return node.data if places.get(_path(path)) == Place.of(node) else None
-        if isinstance(node, dict):
-            return {k: walk(v, path + (k,)) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return [walk(v, path + (i,)) for i, v in enumerate(node)]
         return None
 
-    return walk(template, ())
+    return map_tree(template, local)
 
 
 def _holds_sharded(node) -> bool:
-    if isinstance(node, (ShardedTensor, ShardedObject)):
-        return True
-    if isinstance(node, dict):
-        return any(_holds_sharded(v) for v in node.values())
-    if isinstance(node, (list, tuple)):
-        return any(_holds_sharded(v) for v in node)
-    return False
+    return any(isinstance(value, (ShardedTensor, ShardedObject)) for _, value in leaves(node))
 
 
 def replicated_paths(places: dict[str, Place], dp_group) -> set[str]:
@@ -225,20 +212,7 @@ def replicated_paths(places: dict[str, Place], dp_group) -> set[str]:
 
 def _tensors_by_path(data: Any) -> dict[str, torch.Tensor]:
     """The tensors of a snapshot tree (from :func:`to_snapshot`) by path."""
-    found = {}
-
-    def walk(node, path):
-        if isinstance(node, torch.Tensor):
-            found[_path(path)] = node
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, path + (k,))
-        elif isinstance(node, (list, tuple)):
-            for i, v in enumerate(node):
-                walk(v, path + (i,))
-
-    walk(data, ())
-    return found
+    return {_path(path): value for path, value in leaves(data) if isinstance(value, torch.Tensor)}
 
 
 def tensors_at(data: Any, paths: Optional[set[str]]) -> list[torch.Tensor]:

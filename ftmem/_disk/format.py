@@ -11,7 +11,8 @@ knows, and an adapter tells them through this seam:
   (:mod:`ftmem._disk.export`): a :class:`FrameworkFormat`;
 * **RNG capture and restore**: :meth:`FrameworkFormat.capture_rng` /
   :meth:`FrameworkFormat.restore_rng`, which a framework extends with its own
-  generators (Megatron's model-parallel tracker).
+  generators (Megatron's model-parallel tracker), and :meth:`FrameworkFormat.read_rng`
+  from a checkpoint on disk, where the framework's own load does not restore them.
 
 A version records its format's :attr:`FrameworkFormat.name` in its commit record, and
 export finds the class again through the ``ftmem.formats`` entry-point group, so the
@@ -43,6 +44,11 @@ class FrameworkFormat:
 
     def restore_rng(self, states: Any) -> None:
         rng.set_rng_states(states)
+
+    def read_rng(self, directory: str, rank: int) -> Any:
+        """``rank``'s RNG states from the checkpoint in ``directory`` that :meth:`write_rank`
+        wrote, for a resume from it; None where the framework's own load restores them."""
+        return None
 
     def checkpoint_name(self, version: int, state: Any) -> str:
         """The checkpoint's directory name under the persist dir (DeepSpeed: the tag)."""

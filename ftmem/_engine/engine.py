@@ -42,7 +42,7 @@ from ftmem._disk.persist import Flusher
 from ftmem._ec.placement import ec_groups
 from ftmem._state.plan import Planner
 from ftmem._ec.protect import ColumnCoder, Topology, make_column_groups, piece_size
-from ftmem._engine.restore import DataParallelPeers, Restored, Restorer
+from ftmem._engine.restore import Chosen, DataParallelPeers, Restored, Restorer
 from ftmem._state.serialize import split_state
 from ftmem._shm.slot_memory import SlotMemory
 from ftmem._shm.slots import CommitRecord, RankStore
@@ -250,9 +250,26 @@ class SnapshotEngine:
         naming the groups and nodes, if versions are held (even if all prove damaged) but none
         is recoverable for every rank, and LayoutMismatch if it was saved under another layout.
         Newer versions are dropped unless ``drop_newer`` is False (tools' reads). ``into`` names
-        the framework's tensors to restore into (:mod:`ftmem._state.destinations`)."""
+        the application's tensors to restore into (:mod:`ftmem._state.destinations`).
+
+        The restore runs in two phases, :meth:`choose` and :meth:`read`, which an adapter calls
+        apart, to build what it restores into between them without a collective in flight."""
+        chosen = self.choose(version)
+        if chosen is None:
+            return None
+        return self.read(chosen, device, into(chosen.saved) if into is not None else None, drop_newer)
+
+    def choose(self, version: Optional[int] = None) -> Optional[Chosen]:
+        """The restore's first phase (collective): the version agreed on, checked and rebuilt,
+        nothing copied yet (:meth:`ftmem._engine.restore.Restorer.choose`); None for a fresh job."""
         self.wait_idle()  # a save in flight commits first, and its thread leaves the groups to this one
-        return self._restorer.restore(version, torch.device(device), drop_newer, into)
+        return self._restorer.choose(version)
+
+    def read(self, chosen: Chosen, device: Union[str, torch.device] = "cpu", into: Any = None,
+             drop_newer: bool = True) -> Restored:
+        """The restore's second phase (collective): ``chosen`` copied out into the tensors
+        ``into`` names for :attr:`Chosen.saved`, else fresh memory."""
+        return self._restorer.read(chosen, torch.device(device), into, drop_newer)
 
     # -- end --------------------------------------------------------------------
     def close(self, job_finished: bool = False) -> None:

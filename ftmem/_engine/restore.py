@@ -20,7 +20,7 @@ from ftmem._shm import integrity
 from ftmem._common import testhooks
 from ftmem._state.checksum import data_checksum
 from ftmem._state.copier import read_from_slot
-from ftmem._state.destinations import RestoreTargets, destinations
+from ftmem._state.destinations import destinations, saved_shape
 from ftmem.errors import CorruptShard, FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from ftmem._common.collective import all_problems, gather
 from ftmem._common.logs import rank_info, rank_warning
@@ -53,6 +53,29 @@ class Restored:
     rebuilt: bool = False  # this rank's data was rebuilt from its EC group's parity
     times: RestoreTimes = field(default_factory=RestoreTimes)
     lineage: Optional[tuple[str, int]] = None  # the version's CommitRecord.lineage
+
+
+@dataclass
+class Chosen:
+    """The version a restore agreed on, checked and rebuilt, not yet copied out (:meth:`Restorer.choose`)."""
+
+    record: CommitRecord  # this rank's record of it
+    rebuilt: bool  # this rank's data was rebuilt from its EC group's parity
+    times: RestoreTimes
+    _saved: Any = None
+
+    @property
+    def version(self) -> int:
+        return self.record.version
+
+    @property
+    def saved(self) -> Any:
+        """The version's state with a :class:`~ftmem._state.destinations.TensorPlace` for each
+        saved tensor: what it holds, for the caller to name tensors to restore into (and to
+        read its small values, such as the args it was saved with) before anything is copied."""
+        if self._saved is None:
+            self._saved = saved_shape(self.record.skeleton, len(self.record.plan.entries))
+        return self._saved
 
 
 @dataclass(frozen=True)
@@ -199,9 +222,12 @@ class Restorer:
             if not any(gather(damaged, self._gloo)):
                 return chosen, to_rebuild, held
 
-    def restore(self, version: Optional[int], device: torch.device, drop_newer: bool = True,
-                into: Optional[RestoreTargets] = None) -> Optional[Restored]:
-        """See :meth:`ftmem.SnapshotEngine.restore`."""
+    def choose(self, version: Optional[int]) -> Optional[Chosen]:
+        """The restore's first phase (collective): agree job-wide on the version (``version``,
+        else the newest every rank can recover), rebuild what lost nodes held from parity, and
+        check its layout. Nothing is copied out yet: the caller may name the tensors to restore
+        into from :attr:`Chosen.saved` before :meth:`read`. None if no rank holds a version.
+        See :meth:`ftmem.SnapshotEngine.restore` for what it raises."""
         times, began = RestoreTimes(), time.perf_counter()
         on_entry = sorted(set(self.store.committed()) | set(self.store.parity_held()))
         data, parity = self.held()
@@ -237,13 +263,21 @@ class Restorer:
         if mismatch:
             raise LayoutMismatch(f"version {chosen} was saved under another parallel layout ({mismatch}). "
                                  f"Restart with the layout it was saved with, or restore from a disk checkpoint.")
-        state = self.read_version(record, self.memory.bytes_of(record.slot), device, times, into)
+        return Chosen(record=record, rebuilt=self.rank in to_rebuild, times=times)
+
+    def read(self, chosen: Chosen, device: torch.device, into: Any = None, drop_newer: bool = True) -> Restored:
+        """The restore's second phase (collective over the DP group): copy the chosen version
+        out of shared memory into the tensors ``into`` names (:mod:`ftmem._state.destinations`),
+        else fresh memory; drop the newer versions unless ``drop_newer`` is False."""
+        record, times = chosen.record, chosen.times
+        saved = chosen.saved if into is not None else None
+        state = self.read_version(record, self.memory.bytes_of(record.slot), device, times, saved, into)
         if drop_newer:
-            self.store.drop_from(chosen + 1)
+            self.store.drop_from(record.version + 1)
         rank_info(self.rank, "restore of version %d took %.3f s: agreeing and checking %.3f s, rebuilding %.3f s, "
-                  "copying %.3f s, waiting for the DP gather %.3f s", chosen, times.total_s, times.agree_s,
+                  "copying %.3f s, waiting for the DP gather %.3f s", record.version, times.total_s, times.agree_s,
                   times.rebuild_s, times.copy_s, times.gather_wait_s)
-        return Restored(version=chosen, state=state, rebuilt=self.rank in to_rebuild, times=times,
+        return Restored(version=record.version, state=state, rebuilt=chosen.rebuilt, times=times,
                         lineage=record.lineage)
 
     def _refuse_a_fresh_start(self, on_entry: list[int]) -> None:
@@ -257,14 +291,15 @@ class Restorer:
                 f"rank's log names the damaged files it dropped). Fall back to a disk checkpoint.")
 
     def read_version(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device,
-                     times: Optional[RestoreTimes] = None, into: Optional[RestoreTargets] = None) -> Any:
+                     times: Optional[RestoreTimes] = None, saved: Any = None, into: Any = None) -> Any:
         """The whole state of a version, in private memory on ``device`` (into the tensors
-        ``into`` names, where they fit: :mod:`ftmem._state.destinations`); a DP-sharded one is
+        ``into`` names for the version's ``saved`` shape, where they fit:
+        :mod:`ftmem._state.destinations`); a DP-sharded one is
         gathered back from the replicas (collective over the DP group). With ``times``
         (restore, at start) the gather runs in a thread of its own while this one copies
         the rank's unique bytes out of the slot, and both are timed into ``times``. The flush
         does not: it may run at interpreter exit, where no new thread can start."""
-        dests = destinations(record.skeleton, record.plan.entries, into)  # the framework's work, not timed here
+        dests = destinations(saved, record.plan.entries, into)
         plan, began = record.plan, time.perf_counter()
         if not plan.shard:
             tensors = read_from_slot(slot_bytes, plan, device, into=dests)

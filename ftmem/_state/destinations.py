@@ -25,9 +25,11 @@ import torch
 from ftmem._state.plan import TensorEntry
 from ftmem._state.serialize import join_state
 
-# Given the version's state, with a TensorPlace where each saved tensor goes, the adapter's
-# answer: the same structure (dicts by key, lists and tuples by position), as far as it
-# names framework tensors, holding them where the saved tensors go.
+# Given the version's saved shape (its state, with a TensorPlace where each saved tensor
+# goes: :func:`saved_shape`), the application's answer: the same structure (dicts by key,
+# lists and tuples by position), as far as it names its tensors, holding them where the
+# saved tensors go. ``SnapshotEngine.restore(into=...)`` takes one; an adapter builds the
+# answer itself between the restore's phases (ftmem.adapter.AdapterRuntime.restore).
 RestoreTargets = Callable[[Any], Any]
 
 
@@ -40,15 +42,19 @@ class TensorPlace:
         self.index = index
 
 
-def destinations(skeleton: bytes, entries: Sequence[TensorEntry], targets: Optional[RestoreTargets]
-                 ) -> list[Optional[torch.Tensor]]:
-    """For each saved tensor, the framework tensor to restore it into, or None (fresh memory)."""
+def saved_shape(skeleton: bytes, count: int) -> Any:
+    """A version's state with a TensorPlace in place of each of its ``count`` tensors."""
+    return join_state(skeleton, [TensorPlace(i) for i in range(count)])
+
+
+def destinations(saved: Any, entries: Sequence[TensorEntry], named: Any) -> list[Optional[torch.Tensor]]:
+    """For each saved tensor, the framework tensor to restore it into, or None (fresh memory).
+    ``named`` is the answer to ``saved`` (:data:`RestoreTargets`); None names nothing."""
     found: list[Optional[torch.Tensor]] = [None] * len(entries)
-    if targets is None:
+    if named is None:
         return found
-    shape = join_state(skeleton, [TensorPlace(i) for i in range(len(entries))])
     taken: list[tuple[int, int]] = []  # byte ranges already written into
-    for place, tensor in _pairs(shape, targets(shape)):
+    for place, tensor in _pairs(saved, named):
         entry = entries[place.index]
         if found[place.index] is not None or not _fits(tensor, entry):
             continue

@@ -3,7 +3,6 @@ the runtime around the engine (:class:`AdapterRuntime` and its resume decision),
 helpers every adapter needs. An adapter imports from here, from ``ftmem`` and from
 ``ftmem.errors``, never from an internal package (tests/unit/test_structure.py checks it).
 """
-from ftmem._common.identity import world_in_words
 from ftmem._common.logs import job_info, rank_info, restored_from_disk, restored_from_memory
 from ftmem._common.parallel import ParallelLayout, gather_dp_groups
 from ftmem._disk.format import FrameworkFormat
@@ -15,13 +14,16 @@ from ftmem._engine.restore import Restored, RestoreTimes
 from ftmem._shm.private import write_atomically
 from ftmem._state.destinations import RestoreTargets, TensorPlace
 from ftmem._state.gc_deferral import collection_deferred
-from ftmem.adapter._runtime import DISK, MEMORY, SCRATCH, AdapterRuntime, ResumeSource, Resumption, check_startup
+from ftmem._state.tree import apply_map_location, leaves, lowest_rank_first, map_tree, tensors
+from ftmem.adapter._runtime import (DISK, MEMORY, SCRATCH, AdapterRuntime, DiskCheckpoint, ResumeSource, Resumption,
+                                    check_startup)
 from ftmem.config import DP_SHARD_CHOICES, FtmemConfig
 
 __all__ = [
-    "AdapterRuntime", "Resumption", "ResumeSource", "MEMORY", "DISK", "SCRATCH", "check_startup",
+    "AdapterRuntime", "Resumption", "ResumeSource", "MEMORY", "DISK", "SCRATCH", "DiskCheckpoint", "check_startup",
     "FrameworkFormat", "RestoreTargets", "TensorPlace", "Adopted", "OtherWorlds",
     "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes",
     "collection_deferred", "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins",
-    "world_in_words", "job_info", "rank_info", "restored_from_memory", "restored_from_disk",
+    "map_tree", "leaves", "tensors", "apply_map_location", "lowest_rank_first",
+    "job_info", "rank_info", "restored_from_memory", "restored_from_disk",
 ]

@@ -19,6 +19,7 @@ does the rest, the same way for DeepSpeed and Megatron:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import enum
 import functools
 import itertools
@@ -33,7 +34,6 @@ import torch.distributed as dist
 
 from ftmem._common import testhooks
 from ftmem.config import FtmemConfig
-from ftmem._state.destinations import RestoreTargets
 from ftmem._engine.elastic import Adopted, OtherWorlds, adopt, free_ancestors
 from ftmem._engine.engine import SnapshotEngine
 from ftmem.errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
@@ -42,10 +42,10 @@ from ftmem._engine.handle import SaveHandle
 from ftmem._common.logs import announce, job_info, restored_from_disk, restored_from_memory
 from ftmem._engine.ownership import other_worlds_refused, versions_of_other_jobs
 from ftmem._common.parallel import ParallelLayout
-from ftmem._common.identity import check_node_layout
+from ftmem._common.identity import check_node_layout, world_in_words
 from ftmem._disk.persist import Flusher, check_writable
 from ftmem._common.collective import first_problem, gather
-from ftmem._engine.restore import Restored, RestoreTimes
+from ftmem._engine.restore import Chosen, Restored, RestoreTimes
 
 class ResumeSource(enum.Enum):
     """Where a restart resumes from."""
@@ -62,13 +62,47 @@ MEMORY, DISK, SCRATCH = ResumeSource.MEMORY, ResumeSource.DISK, ResumeSource.SCR
 
 
 @dataclass(frozen=True)
+class DiskCheckpoint:
+    """A checkpoint on disk that a restart may load instead of memory."""
+
+    version: int
+    directory: str
+
+
+# The RNG states that AdapterRuntime.resumed puts back by default: the resumed version's own.
+VERSION_RNG = "the version's own"
+
+
+@dataclass(frozen=True)
 class Resumption:
-    """Where a restart resumes from, decided the same way on every rank."""
+    """Where a restart resumes from, decided the same way on every rank, and all it needs:
+    the whole resume decision, which the adapter carries from one phase of
+    :meth:`AdapterRuntime.plan_resume` / :meth:`~AdapterRuntime.restore` /
+    :meth:`~AdapterRuntime.resumed` to the next."""
 
     source: ResumeSource
-    restored: Optional[Restored] = None  # the version, when the source is this job's memory
-    adopted: Optional[Adopted] = None  # the version, when the source is another world's job's memory
+    disk: Optional[DiskCheckpoint] = None  # this rank's newest checkpoint on disk: what a DISK resume loads
     reason: Optional[str] = None  # why memory did not serve, when it did not and something was there
+    chosen: Optional[Chosen] = None  # this job's version, agreed on, until restore() copies it out
+    restored: Optional[Restored] = None  # this rank's state of the version, once copied out
+    adopted: Optional[Adopted] = None  # another world's job's version (every old rank's state, copied)
+    named: bool = False  # the load named its version: newer versions stay held
+    disk_views: tuple = ()  # every rank's newest version on disk, by rank
+
+    @property
+    def saved(self) -> Any:
+        """This job's chosen version as it was saved, a TensorPlace for each tensor (its small
+        values readable): for naming the tensors to restore into, and for checking the
+        version, before :meth:`AdapterRuntime.restore` copies anything."""
+        return self.chosen.saved if self.chosen is not None else None
+
+    @property
+    def version(self) -> Optional[int]:
+        if self.adopted is not None:
+            return self.adopted.version
+        if self.chosen is not None:
+            return self.chosen.version
+        return self.disk.version if self.source == DISK else None
 
 
 class AdapterRuntime:
@@ -93,7 +127,7 @@ class AdapterRuntime:
                                              first_replica=peers.ranks[0] == self.rank,
                                              world_size=self._engine.identity.world_size))
         self._crashed = self._finished = False
-        self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (restore_named)
+        self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (plan_resume's named)
         self._adopted: Optional[Adopted] = None  # another world's version this job resumed from, until freed
         self.last_restore: Optional[RestoreTimes] = None  # where the last load from memory spent its time
         _close_at_exit(self)
@@ -164,39 +198,118 @@ class AdapterRuntime:
         self._engine.wait_flushed()
 
     # -- restore ------------------------------------------------------------------------
-    def restore(self, disk_version: Optional[int] = None, into: Optional[RestoreTargets] = None,
-                other_worlds: Optional[OtherWorlds] = None) -> Resumption:
-        """Decide where to resume (collective): the newest version memory can recover for every
-        rank (restored into the tensors ``into`` names: :mod:`ftmem._state.destinations`), unless the
-        newest disk checkpoint (``disk_version``: this rank's view, None if none) is newer; else
-        disk, which every rank must see alike; else scratch. A version of another layout or EC
-        geometry, or of another world's job while this job holds none (unless ``other_worlds``
-        lets it adopt that: :func:`_adopt`), is refused with the reason (memory left as it is),
-        or skipped for the disk when ``allow_disk_fallback``."""
-        seen = self.gather(disk_version)
-        newest_on_disk = max((v for v in seen if v is not None), default=None)
+    # A resume runs in three phases, each collective, each called by the adapter: the
+    # adapter's framework code (building what to restore into, loading the restored state)
+    # runs between them, never inside one, and its problems are voted on at the next phase,
+    # so that every rank takes the same way out.
+    def plan_resume(self, disk: Optional[DiskCheckpoint] = None, other_worlds: Optional[OtherWorlds] = None,
+                    named: Optional[int] = None) -> Resumption:
+        """Phase 1: decide where to resume. Memory's newest version that every rank can
+        recover (agreed on, rebuilt where nodes were lost, not yet copied out), unless the
+        newest disk checkpoint (``disk``: this rank's view) is newer; else the disk, which
+        every rank must see alike; else scratch. With ``named``, that version and no other
+        (newer versions stay held); without a ``disk`` to fall back to, the reason it cannot be
+        given back is raised. A version of another layout or EC geometry, or of another
+        world's job while this job holds none (unless ``other_worlds`` lets it adopt that:
+        :func:`ftmem._engine.elastic.adopt`), is refused with the reason (memory left as it
+        is), or skipped for the disk with ``allow_disk_fallback``."""
+        views = tuple(self.gather(None if disk is None else disk.version))
+        plan = Resumption(SCRATCH, disk=disk, named=named is not None, disk_views=views)
+        newest_on_disk = max((v for v in views if v is not None), default=None)
         try:
-            restored = self._engine.restore(into=into)
-            adopted = None if restored else self._adopt(other_worlds)
-        except LayoutMismatch as e:  # EcGeometryMismatch too; the disk matters only if it may be loaded
-            return self.refuse_memory(str(e), _seen_alike(seen) if self.config.allow_disk_fallback else newest_on_disk)
-        except NotRecoverableFromMemory as e:
-            return _without_memory(str(e), _seen_alike(seen))
-        found = restored or adopted
+            chosen = self._engine.choose(named)
+            if named is not None and chosen is None:
+                raise NotRecoverableFromMemory(f"memory holds no version of this job, so not version {named}")
+            adopted = None if chosen is not None or named is not None else self._adopt(other_worlds)
+        except (LayoutMismatch, NotRecoverableFromMemory) as e:  # EcGeometryMismatch is a LayoutMismatch
+            if named is not None and disk is None:
+                raise  # the load named this version, and there is nothing else it could load
+            if isinstance(e, LayoutMismatch):
+                return self._refuse_memory(plan, str(e))
+            return _without_memory(plan, str(e))
+        found = chosen or adopted
         if found is None:
-            return _without_memory("memory holds no version of this job" if newest_on_disk is not None else None,
-                                   _seen_alike(seen))
-        if newest_on_disk is not None and found.version < newest_on_disk:
-            return _without_memory(f"memory's newest version {found.version} is older than iteration "
-                                   f"{newest_on_disk} on disk", _seen_alike(seen))
-        return Resumption(MEMORY, restored=restored, adopted=adopted)
+            return _without_memory(plan, "memory holds no version of this job" if newest_on_disk is not None else None)
+        if named is None and newest_on_disk is not None and found.version < newest_on_disk:
+            return _without_memory(plan, f"memory's newest version {found.version} is older than iteration "
+                                         f"{newest_on_disk} on disk")
+        return dataclasses.replace(plan, source=MEMORY, chosen=chosen, adopted=adopted)
+
+    def restore(self, plan: Resumption, into: Any = None, problem: Optional[str] = None) -> Resumption:
+        """Phase 2, for a resume from memory: ``problem`` is this rank's objection to the
+        version (the adapter read :attr:`Resumption.saved`: other args, say); any rank's
+        refuses it (:meth:`_refuse_memory`). Else this job's version is copied out into the
+        tensors ``into`` names (the adapter's answer to :attr:`Resumption.saved`, see
+        :mod:`ftmem._state.destinations`), else into fresh memory."""
+        if plan.source != MEMORY:
+            return plan
+        problem = self._first_problem(problem)
+        if problem is not None:
+            return self._refuse_memory(plan, problem)
+        if plan.chosen is None:  # adopted: every old rank's state is copied already
+            return plan
+        restored = self._engine.read(plan.chosen, into=into, drop_newer=not plan.named)
+        if plan.named:
+            # Until the next save drops them, the job's end must not free memory for the loaded
+            # version alone being on disk (one view on every rank: gathered).
+            self._kept_newer = sorted({v for held in self.gather(self._engine.versions()) for v in held
+                                       if v > restored.version})
+        return dataclasses.replace(plan, chosen=None, restored=restored)
+
+    def resumed(self, plan: Resumption, problem: Optional[str] = None, detail: str = "", rng: Any = VERSION_RNG,
+                disk_found: str = "there is no disk checkpoint to load") -> Resumption:
+        """Phase 3: the adapter loaded the resumed state into the framework (or, for a disk
+        resume, is about to load it), having found ``problem`` with it or not. From memory
+        (collective): any rank's problem refuses the version (:meth:`_refuse_memory`);
+        else ``rng`` is put back (the version's own by default, which for another world's
+        version is the state the adapter set as :attr:`Resumption.restored`; None leaves the
+        RNG as it is) and the job says so. From disk: the format's RNG of that checkpoint is
+        put back (where the framework does not restore its own) and the job says so. From
+        scratch after memory could not serve (a ``reason``): refused, since a fresh start
+        would silently throw the job's progress away (:meth:`_refuse_a_fresh_start`; ``disk_found``
+        says what the framework found on disk).
+        Returns the resumption as it ended."""
+        if plan.source == MEMORY:
+            problem = self._first_problem(problem)
+            if problem is not None:
+                return self._refuse_memory(plan, problem)
+            self._resumed_from_memory(plan, detail, rng)
+        elif plan.source == DISK:
+            states = self.format.read_rng(plan.disk.directory, self.rank) if rng is not None else None
+            if states is not None:
+                self.format.restore_rng(states)
+            announce(restored_from_disk(plan.disk.version, plan.disk.directory, self.rank, plan.reason))
+        else:
+            self._refuse_a_fresh_start(plan.reason, disk_found)
+        return plan
+
+    def _resumed_from_memory(self, plan: Resumption, detail: str, rng: Any) -> None:
+        restored, adopted = plan.restored, plan.adopted
+        if rng is VERSION_RNG:
+            rng = restored.state["rng"] if restored is not None else None
+        if rng is not None:
+            self.format.restore_rng(rng)
+        if adopted is not None:
+            # Its memory is the version's only copy until this job protects one of its own
+            # (:meth:`_free_adopted_once_protected`); the next versions carry on its line.
+            self._adopted, self.last_restore = adopted, None
+            self._engine.resumed_at(None, (adopted.job, adopted.version))
+            announce(restored_from_memory(adopted.version, self.rank, ", ".join(filter(None, (detail, str(adopted))))))
+            return
+        # The job's newest version until it saves again: a job that ends without saving (a
+        # relaunch at its last iteration) must keep it in memory or flush it, never free it.
+        # Its next versions carry on the line it was adopted from (ftmem._engine.elastic).
+        self._engine.resumed_at(restored.version, restored.lineage)
+        self.last_restore = restored.times
+        announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
+        free_ancestors(self._engine.identity, self._engine.job_group, restored.lineage, restored.version)
 
     def _adopt(self, other_worlds: Optional[OtherWorlds]) -> Optional[Adopted]:
         """The version of another world's job from this job's origin (collective), adopted
         (:mod:`ftmem._engine.elastic`) where ``other_worlds`` says the adapter can load it; None
         if there is none; else LayoutMismatch saying why not."""
         identity = self._engine.identity
-        others = self.first_problem(versions_of_other_jobs(identity))
+        others = self._first_problem(versions_of_other_jobs(identity))
         if others is None:
             return None
         if other_worlds is None:
@@ -220,18 +333,7 @@ class AdapterRuntime:
         resume from it, and newer versions stay."""
         return self._engine.restore(version, drop_newer=False)
 
-    def restore_named(self, version: int) -> Restored:
-        """Restore ``version``, which the script asked for by name (collective): that version
-        or a refusal with the reason (NotRecoverableFromMemory, LayoutMismatch), never
-        another in its place. Newer versions stay held, as the default engine's newer files
-        stay on disk: a resume without a name still finds them, and the next save drops them."""
-        restored = self._engine.restore(version, drop_newer=False)
-        # Until the next save drops them, the job's end must not free memory for the loaded
-        # version alone being on disk (one view on every rank: gathered).
-        self._kept_newer = sorted({v for held in self.gather(self._engine.versions()) for v in held if v > version})
-        return restored
-
-    def first_problem(self, problem: Optional[str]) -> Optional[str]:
+    def _first_problem(self, problem: Optional[str]) -> Optional[str]:
         """Every rank's verdict on its own part of a restore; the first problem any rank
         has. All ranks must take the same path (memory or disk) or the next collective hangs."""
         self._engine.wait_idle()
@@ -242,48 +344,44 @@ class AdapterRuntime:
         self._engine.wait_idle()
         return gather(obj, self._engine.job_group)
 
-    def refuse_memory(self, problem: str, disk_version: Optional[int]) -> Resumption:
+    def refuse_other_job(self, described: str, job: str, world: Optional[tuple[int, int]],
+                         adopted: Optional[Adopted] = None) -> None:
+        """Refuse a checkpoint that job ``job`` wrote on ``world`` (world size, ranks per node;
+        None if unknown), unless it is this job's or the ``adopted`` one's: this job's memory
+        may hold a version of the same number, which is not that checkpoint. ``described``
+        starts the error: what the checkpoint's file is ("<path> is a stub of")."""
+        identity = self._engine.identity
+        if job in (identity.job, adopted and adopted.job):
+            return
+        now = (identity.world_size, identity.ranks_per_node)
+        then = world or now
+        changed = (f" Job {job} saved it on {world_in_words(*then)}; this job runs on {world_in_words(*now)}."
+                   if then != now else "")
+        raise FtmemError(
+            f"{described} job {job}'s in-memory checkpoint, but this job is {identity.job}.{changed} A job's id "
+            f"derives from its save dir and its world layout (world size, ranks per node) unless FTMEM_JOB_ID or "
+            f"\"job_id\" sets it, so a relaunch at another size is another job, and ftmem restores from memory "
+            f"only onto the layout a checkpoint was saved with. Relaunch as it was saved, or write real files "
+            f"first (`ftmem export --job {job} --out DIR`) and load those.")
+
+    def _refuse_memory(self, plan: Resumption, problem: str) -> Resumption:
         """Memory holds a version this job cannot use (another layout, model or args):
         stop with the reason, unless ``allow_disk_fallback`` lets the job load from disk."""
         if not self.config.allow_disk_fallback:
-            where = f"iteration {disk_version}" if disk_version is not None else "there is none yet"
+            newest = max((v for v in plan.disk_views if v is not None), default=None)
+            where = f"iteration {newest}" if newest is not None else "there is none yet"
             raise LayoutMismatch(f"{problem} To load the disk checkpoint instead ({where}), set "
                                  f"\"allow_disk_fallback\": true in the \"ftmem\" config (Megatron: "
                                  f"--ftmem-allow-disk-fallback).")
         job_info("memory holds no version this job can use (%s); loading from disk as allow_disk_fallback allows",
                  problem)
-        return _without_memory(problem, disk_version)
+        return _without_memory(plan, problem)
 
-    def resumed_from_memory(self, restored: Restored, detail: str = "", rng: bool = True) -> None:
-        """The adapter loaded ``restored`` into the framework: put back the RNG (unless the
-        script asked the framework not to) and say so."""
-        if rng:
-            self.format.restore_rng(restored.state["rng"])
-        # The job's newest version until it saves again: a job that ends without saving (a
-        # relaunch at its last iteration) must keep it in memory or flush it, never free it.
-        # Its next versions carry on the line it was adopted from (ftmem._engine.elastic).
-        self._engine.resumed_at(restored.version, restored.lineage)
-        self.last_restore = restored.times
-        announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
-        free_ancestors(self._engine.identity, self._engine.job_group, restored.lineage, restored.version)
-
-    def resumed_by_adoption(self, adopted: Adopted, detail: str = "", rng: Any = None) -> None:
-        """The adapter loaded ``adopted`` into the framework: put back ``rng`` (the RNG of the old
-        rank it took this rank's state from, if any) and say so. See :meth:`_free_adopted_once_protected`."""
-        if rng is not None:
-            self.format.restore_rng(rng)
-        self._adopted, self.last_restore = adopted, None
-        self._engine.resumed_at(None, (adopted.job, adopted.version))
-        announce(restored_from_memory(adopted.version, self.rank, ", ".join(filter(None, (detail, str(adopted))))))
-
-    def resumed_from_disk(self, iteration: int, directory: str, reason: Optional[str]) -> None:
-        announce(restored_from_disk(iteration, directory, self.rank, reason))
-
-    def resumed_from_scratch(self, reason: Optional[str], disk: str = "there is no disk checkpoint to load") -> None:
+    def _refuse_a_fresh_start(self, reason: Optional[str], disk: str = "there is no disk checkpoint to load") -> None:
         """The framework found nothing to resume from (``disk`` says what it found). Right for a
         fresh job (no ``reason``); but where memory held versions it could not give back
         (``reason``), a fresh start would silently throw the job's progress away: refused
-        (collective verdict, the same on every rank), memory left as it is."""
+        (the same on every rank: the reason is), memory left as it is."""
         if reason is None:
             return
         identity = self._engine.identity
@@ -348,8 +446,11 @@ class AdapterRuntime:
         _say_kept(self._engine.identity, max(self._kept_newer, default=self._engine.protected), reason)
 
 
-def _without_memory(reason: Optional[str], disk_version: Optional[int]) -> Resumption:
-    return Resumption(DISK if disk_version is not None else SCRATCH, reason=reason)
+def _without_memory(plan: Resumption, reason: Optional[str]) -> Resumption:
+    """Memory does not serve (``reason``): the disk, which every rank must see alike, else scratch."""
+    alike = _seen_alike(list(plan.disk_views))
+    return dataclasses.replace(plan, source=DISK if alike is not None else SCRATCH, reason=reason, chosen=None,
+                               restored=None, adopted=None)
 
 
 def _say_kept(identity, newest: Optional[int], reason: str) -> None:

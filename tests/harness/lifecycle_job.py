@@ -12,7 +12,7 @@ PyTorch asks scripts to; else an exit hook does it after ftmem's end. ``--runtim
 runs N jobs side by side in each process (as a script with several DeepSpeed engines
 does), the others saving into subdirectories of ``--out``; their ids derive from those.
 ``--restore-into`` names a tensor of the rank's own for the restore to write the replicated
-tensor into (``AdapterRuntime.restore(into=...)``), on rank 0 only or on every rank.
+tensor into (``AdapterRuntime.restore(plan, into=...)``), on rank 0 only or on every rank.
 ``--load-while-saving`` loads the newest version again right after the last step's save,
 its protection still in flight (DeepSpeed's rollback mid-run does so); rank 1 first lets
 its save thread reach the job-wide agreement, so that the ranks start the load's
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ftmem import FtmemConfig, ParallelLayout
-from ftmem.adapter import (DISK, MEMORY, AdapterRuntime, FrameworkFormat, OtherWorlds, Resumption, flushed,
+from ftmem.adapter import (DISK, MEMORY, AdapterRuntime, DiskCheckpoint, FrameworkFormat, OtherWorlds, flushed,
                            save_atomically, write_atomically)
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     p.add_argument("--persist-interval", type=int, default=1)
     p.add_argument("--destroys-group", action="store_true")
     p.add_argument("--load-version", type=int, default=None,
-                   help="resume from this version, named (AdapterRuntime.restore_named), not the newest")
+                   help="resume from this version, named (AdapterRuntime.plan_resume's named), not the newest")
     p.add_argument("--ranks-per-node", type=int, default=1, help="with all ranks on one node, no parity (m=0)")
     p.add_argument("--runtimes", type=int, default=1)
     p.add_argument("--restore-into", choices=("rank-0", "every-rank"), default=None)
@@ -102,20 +102,23 @@ def train(args, world: int) -> None:
     view = os.environ.get("DISK_VIEW", args.persist)
     on_disk = flushed(view)[-1]["version"] if view and flushed(view) else None
     own = torch.zeros(1000) if args.restore_into == "every-rank" or (args.restore_into and dist.get_rank() == 0) else None
-    resumption = (Resumption(MEMORY, restored=runtime.restore_named(args.load_version))
-                  if args.load_version is not None else
-                  runtime.restore(disk_version=on_disk, into=(lambda saved: {"w": own}) if own is not None else None,
-                                  other_worlds=OtherWorlds(refuse=lambda layout: None) if args.other_worlds else None))
+    # A version named is that version or a refusal: no disk to fall back to.
+    disk = DiskCheckpoint(on_disk, view) if on_disk is not None and args.load_version is None else None
+    plan = runtime.plan_resume(disk,
+                               OtherWorlds(refuse=lambda layout: None) if args.other_worlds else None,
+                               named=args.load_version)
+    into = {"w": own} if own is not None and plan.chosen is not None else None
+    resumption = runtime.restore(plan, into=into)
     start = 1
     if resumption.adopted is not None:
         adopted = resumption.adopted
-        runtime.resumed_by_adoption(adopted)
+        runtime.resumed(resumption)
         start = adopted.version + 1
         values = sorted({v for state in adopted.states for v in state["w"].tolist()})
         print(f"rank {dist.get_rank()}: adopted version {adopted.version} of {len(adopted.states)} old ranks: "
               f"w = {values}", flush=True)
     elif resumption.source == MEMORY:
-        runtime.resumed_from_memory(resumption.restored)
+        runtime.resumed(resumption)
         start = resumption.restored.version + 1
         w = resumption.restored.state["w"]
         print(f"rank {dist.get_rank()}: restored w = {sorted(set(w.tolist()))} x {w.numel()} into "
@@ -123,7 +126,7 @@ def train(args, world: int) -> None:
     elif resumption.source == DISK:  # the state of a step is the step: nothing to read
         start = on_disk + 1
     elif args.other_worlds:  # as an adapter does: no fresh start in place of what memory held
-        runtime.resumed_from_scratch(resumption.reason)
+        runtime.resumed(resumption)
     print(f"rank {dist.get_rank()}: resumes at step {start} ({resumption.source})", flush=True)
     for step in range(start, args.steps + 1):
         w = torch.full((1000,), float(step))  # the same on every rank: each snapshots half (DP sharding)
@@ -150,9 +153,9 @@ def load_while_saving(runtime: AdapterRuntime) -> None:
         runtime.wait_reusable()
         time.sleep(2)  # its save thread commits a few bytes and waits in the job-wide agreement meanwhile
     print(f"rank {rank}: loading while saving", flush=True)
-    resumption = runtime.restore()
+    resumption = runtime.restore(runtime.plan_resume())
     w = resumption.restored.state["w"]
-    runtime.resumed_from_memory(resumption.restored)
+    runtime.resumed(resumption)
     print(f"rank {rank}: loaded version {resumption.restored.version}: w = {sorted(set(w.tolist()))} x {w.numel()}",
           flush=True)
 

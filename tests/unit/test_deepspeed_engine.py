@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from ftmem_deepspeed.checkpoint_engine import apply_map_location, file_key
+from ftmem.adapter import apply_map_location
+from ftmem_deepspeed.loads import file_key
 from ftmem_deepspeed.stub import is_stub, read_stub, write_stub
 from ftmem_guard import FtmemStubFile
 

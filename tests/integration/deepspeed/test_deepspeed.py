@@ -16,7 +16,7 @@ from harness.common import ANY, free_shm_dir, job_id, logged, new_shm_dir, run_c
 from harness.ranks import LocalJob, free_port, wait_until
 from ftmem import restored_from_disk, restored_from_memory
 from ftmem._shm import jobs
-from ftmem_deepspeed.checkpoint_engine import is_stub
+from ftmem_deepspeed.stub import is_stub
 from harness.ds_jobs import (CONFIGS, ENV, ITERS, STOCK_ENV, STOP, TIMEOUT, DSJob, config_pair, reference,
                              stock_deepspeed_load, stock_script)
 from harness.toy import assert_same_training
