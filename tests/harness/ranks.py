@@ -1,13 +1,15 @@
 """Starting a job's ranks as local processes, one per rank, so that single ranks can be
 SIGKILLed and the job restarted: what torchrun does, minus its restart policy.
 
-A rank is forked from a fork server (tests/harness/zygote.py) that has torch, DeepSpeed
-and megatron-core imported already: one server per environment of imports (``PYTHONPATH``,
-torch's backend autoload, threads), started with that environment, so that a rank finds
-what a cold ``python -m`` would have imported. A server whose ``PYTHONPATH`` may bring
-packages of its own (a Megatron-LM tree, a patched DeepSpeed) imports only torch and numpy
-ahead. A rank where CUDA is present starts cold. Either way it is a real process, killed
-for real.
+A rank is forked from a fork server (tests/harness/zygote.py) that has imported its
+framework already (torch, and DeepSpeed or megatron-core; never both, since importing one
+changes what the other's run sees: megatron-core admits ``argparse.Namespace`` to torch's
+``weights_only`` loading). One server per framework and environment of imports
+(``PYTHONPATH``, torch's backend autoload, threads), started with that environment, so that
+a rank finds what a cold ``python -m`` would have imported. A server whose ``PYTHONPATH``
+may bring packages of its own (a Megatron-LM tree, a patched DeepSpeed) imports only torch
+and numpy ahead. A rank where CUDA is present starts cold. Either way it is a real process,
+killed for real.
 """
 from __future__ import annotations
 
@@ -54,14 +56,14 @@ class _ForkServer:
     """A fork server for ranks of one environment of imports, and what it reports: the
     pid of each child it forked (in order) and the exit code of each that ended."""
 
-    def __init__(self, imports: tuple):
+    def __init__(self, imports: tuple, framework: str):
         env = dict(os.environ, DS_ACCELERATOR="cpu")
         for name, value in zip(_IMPORT_ENV, imports):
             if value is None:
                 env.pop(name, None)
             else:
                 env[name] = value
-        preload = "all" if env.get("PYTHONPATH") is None else "torch"
+        preload = framework if env.get("PYTHONPATH") is None else "torch"
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.harness.zygote", preload], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._changed = threading.Condition()
@@ -112,18 +114,27 @@ _servers: dict[tuple, _ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
-def _fork_server(env: dict) -> Optional[_ForkServer]:
-    """The server for a rank of ``env``; None where the rank must start cold (CUDA present:
-    its accelerator is chosen at import; or another accelerator asked for)."""
+def _framework_of(module: str) -> str:
+    """Which framework the rank module ``module`` runs (the fork server's preload)."""
+    if "megatron" in module:
+        return "megatron"
+    if "deepspeed" in module or module == "stock_load":
+        return "deepspeed"
+    return "torch"
+
+
+def _fork_server(module: str, env: dict) -> Optional[_ForkServer]:
+    """The server for a rank running ``module`` with ``env``; None where the rank must start
+    cold (CUDA present: its accelerator is chosen at import; or another accelerator asked for)."""
     import torch
 
     if torch.cuda.is_available() or env.get("DS_ACCELERATOR", "cpu") != "cpu":
         return None
-    imports = _import_env(env)
+    key = (_import_env(env), _framework_of(module))
     with _servers_lock:
-        server = _servers.get(imports)
+        server = _servers.get(key)
         if server is None or server.proc.poll() is not None:
-            server = _servers[imports] = _ForkServer(imports)
+            server = _servers[key] = _ForkServer(*key)
         return server
 
 
@@ -178,7 +189,7 @@ def start_rank(module: str, args: Sequence[str], env: dict, log_path: str):
     # The log exists once the rank is started, as a cold start's does (its parent opens it):
     # a test may read it before the forked child has opened it for itself.
     open(log_path, "ab").close()
-    server = _fork_server(env)
+    server = _fork_server(module, env)
     if server is not None:
         proc = ForkedRank(server, server.fork(module, args, env, log_path))
     else:

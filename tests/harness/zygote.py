@@ -1,5 +1,6 @@
-"""A fork server for rank processes: ``python -m tests.harness.zygote all|torch`` imports
-torch, DeepSpeed and megatron-core (or torch alone) once, then forks one child per rank on request. Each child
+"""A fork server for rank processes: ``python -m tests.harness.zygote deepspeed|megatron|torch``
+imports torch and that framework (or torch alone) once, then forks one child per rank on
+request. Each child
 becomes ``python -m <module> <args>`` with its own environment, working directory and
 log, and is a real process of its own: SIGKILLed for real, its memory its own, ending
 through the interpreter's ordinary exit (atexit handlers, ``sys.excepthook``, exit code).
@@ -24,7 +25,8 @@ import sys
 #: what every forked rank finds imported; anything else it imports itself. Where the
 #: server's PYTHONPATH may hold its own DeepSpeed or Megatron (argument ``torch``), only
 #: torch and numpy: what the path brings is imported by each rank from it.
-PRELOAD = {"all": ("torch", "numpy", "deepspeed", "megatron.core", "megatron.core.models.gpt"),
+PRELOAD = {"deepspeed": ("torch", "numpy", "deepspeed"),
+           "megatron": ("torch", "numpy", "megatron.core", "megatron.core.models.gpt"),
            "torch": ("torch", "numpy")}
 
 
