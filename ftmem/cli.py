@@ -22,7 +22,7 @@ from ftmem._shm import jobs
 from ftmem._ec import survival
 from ftmem.config import SHM_DIR_ADVICE, shm_dir_problem
 from ftmem.errors import ConfigError, FtmemError
-from ftmem._common.identity import check_job_id
+from ftmem._common.identity import check_job_id, job_root
 
 
 class Parser(argparse.ArgumentParser):
@@ -65,6 +65,14 @@ def shm_dir_arg(text: str) -> str:
     return text
 
 
+def existing_dir_arg(text: str) -> str:
+    """A shared-memory directory that a command reads or cleans: it must exist."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory: name the shared-memory directory the job "
+                                         f"runs in (its \"shm_dir\")")
+    return text
+
+
 def admitted_global_arg(text: str) -> object:
     """A class (or function) named as an UnadmittedType error names it, ``package.module.Name``:
     imported here, since the user's training processes admitted it in their own memory."""
@@ -104,15 +112,18 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_clean(args) -> int:
+    present = jobs.list_jobs(args.shm_dir)
     if args.all:
-        targets = jobs.list_jobs(args.shm_dir)
+        targets = present
     else:
         job = args.job or os.environ.get("FTMEM_JOB_ID")
         if not job:
-            present = ", ".join(jobs.list_jobs(args.shm_dir)) or "none"
-            print(f"ftmem clean: name the job with --job J (or --all). Jobs in {args.shm_dir}: {present}",
-                  file=sys.stderr)
+            print(f"ftmem clean: name the job with --job J (or --all). Jobs in {args.shm_dir}: "
+                  f"{', '.join(present) or 'none'}", file=sys.stderr)
             return 2
+        if not os.path.lexists(job_root(args.shm_dir, job)):  # (what is there but no job's, clean refuses)
+            raise FtmemError(f"no job {job!r} in {args.shm_dir} (jobs there: {', '.join(present) or 'none'}): nothing "
+                             f"was freed. Name the shared-memory directory it runs in with --shm-dir.")
         targets = [job]
     for job in targets:
         freed = jobs.clean(args.shm_dir, job)
@@ -223,7 +234,8 @@ def main(argv=None) -> int:
 
     def add(name: str, help: str, fn) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
-        p.add_argument("--shm-dir", default="/dev/shm", help="shared-memory directory (default /dev/shm)")
+        p.add_argument("--shm-dir", default="/dev/shm", type=existing_dir_arg,
+                       help="shared-memory directory (default /dev/shm)")
         p.set_defaults(fn=fn)
         return p
 
@@ -231,8 +243,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object (see docs/operations.md)")
     p.add_argument("--job", type=job_id_arg, help="only this job")
     p = add("clean", "stop a job's SMPs and free its shared memory", _cmd_clean)
-    p.add_argument("--job", type=job_id_arg, help="the job (default: FTMEM_JOB_ID)")
-    p.add_argument("--all", action="store_true", help="every ftmem job in the shared-memory directory")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--job", type=job_id_arg, help="the job (default: FTMEM_JOB_ID)")
+    which.add_argument("--all", action="store_true", help="every ftmem job in the shared-memory directory")
     p = add("export", "write a held version to disk in the framework's own checkpoint layout", _cmd_export)
     p.add_argument("--job", type=job_id_arg, required=True, help="the job (see ftmem status)")
     p.add_argument("--version", type=int, help="the version (default: the newest every rank holds)")

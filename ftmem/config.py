@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
@@ -184,12 +185,41 @@ class PersistConfig(_Section):
                               f"directory (it is created if missing) to flush checkpoints into.")
 
 
+# File systems whose files live in memory: the only ones where a snapshot costs no disk write.
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+# Set to 1 to keep shared memory on another file system anyway (a test bed, a RAM disk of another kind).
+ANY_FILESYSTEM_ENV = "FTMEM_SHM_ANY_FILESYSTEM"
+
+
+def filesystem_of(path: str) -> Optional[str]:
+    """The type of the file system ``path`` is on (the mount that holds it); None if unknown."""
+    path, best, kind = os.path.realpath(path), "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    for parts in mounts:
+        if len(parts) < 3:
+            continue
+        # The kernel writes a space in a mount point as \040 (and tab, newline, backslash so too).
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, parts[2]
+    return kind
+
+
 def shm_dir_problem(path: str) -> Optional[str]:
     """Why ``path`` cannot hold the jobs' shared memory, or None if it can."""
     if not os.path.isdir(path):
         return f"{path!r} is not a directory"
     if not os.access(path, os.W_OK | os.X_OK):
         return f"{path!r} is not writable by this user"
+    kind = filesystem_of(path)
+    if kind is not None and kind not in MEMORY_FILESYSTEMS and os.environ.get(ANY_FILESYSTEM_ENV) != "1":
+        return (f"{path!r} is on {kind}, a file system not kept in memory ({', '.join(MEMORY_FILESYSTEMS)}): "
+                f"every snapshot would be written to its disk (to use it anyway, set {ANY_FILESYSTEM_ENV}=1)")
     return None
 
 
@@ -210,7 +240,7 @@ class FtmemConfig(_Section):
     persist: PersistConfig = _key(PersistConfig)
     job_id: Optional[str] = _key(kind=str, optional=True, rule=is_job_id, rule_text=JOB_ID_RULE)
     # Memory holds a version of another layout, model or args: load the disk checkpoint
-    # instead of stopping (AdapterRuntime.restore).
+    # instead of stopping (AdapterRuntime.plan_resume).
     allow_disk_fallback: bool = _key(False, kind=bool)
 
     def check(self) -> None:

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from ftmem.config import FtmemConfig
+from ftmem.config import MEMORY_FILESYSTEMS, FtmemConfig, filesystem_of
 from ftmem.errors import ConfigError
 from ftmem._common.identity import RankIdentity, resolve_job_id
 
@@ -44,6 +44,20 @@ def test_misspelt_key_is_named_with_a_suggestion(section, named, hint):
 def test_bad_values_say_what_is_wrong(section, fragment):
     with pytest.raises(ConfigError, match=fragment):
         FtmemConfig.from_dict(section)
+
+
+def test_shm_dir_must_be_kept_in_memory_unless_the_user_says_otherwise(tmp_path, monkeypatch):
+    """A shared-memory directory on a disk (here the test's tmp dir) would write every
+    snapshot to that disk: refused, naming the file system, unless FTMEM_SHM_ANY_FILESYSTEM=1."""
+    monkeypatch.delenv("FTMEM_SHM_ANY_FILESYSTEM", raising=False)
+    kind = filesystem_of(str(tmp_path))
+    assert kind not in MEMORY_FILESYSTEMS and filesystem_of("/dev/shm") == "tmpfs"
+    with pytest.raises(ConfigError, match=rf"'{tmp_path}' is on {kind}, a file system not kept in memory .*"
+                                          rf"FTMEM_SHM_ANY_FILESYSTEM=1"):
+        FtmemConfig.from_dict({"shm_dir": str(tmp_path)})
+    assert FtmemConfig.from_dict({"shm_dir": "/dev/shm"}).shm_dir == "/dev/shm"
+    monkeypatch.setenv("FTMEM_SHM_ANY_FILESYSTEM", "1")
+    assert FtmemConfig.from_dict({"shm_dir": str(tmp_path)}).shm_dir == str(tmp_path)
 
 
 def test_job_identity_precedence(monkeypatch):

@@ -164,6 +164,31 @@ def test_status_of_a_job_that_is_not_there_fails_but_no_jobs_is_fine(shm_dir):
     assert out.returncode == 0 and out.stdout == f"no ftmem jobs in {shm_dir}\n"
 
 
+@pytest.mark.parametrize("argv", [["status"], ["clean", "--all"], ["export", "--job", "j", "--out", "unused"]],
+                         ids=["status", "clean", "export"])
+def test_a_shm_dir_that_is_not_there_is_refused_not_reported_empty(argv):
+    assert one_line_refusal(run_cli(*argv, "--shm-dir", "/nonexistent")) == \
+        f"ftmem {argv[0]}: argument --shm-dir: '/nonexistent' is not a directory: name the shared-memory " \
+        f"directory the job runs in (its \"shm_dir\") (see ftmem {argv[0]} --help)"
+
+
+def test_clean_frees_only_what_it_was_asked_to(shm_dir):
+    """``clean --all --job X`` once freed every job; a job that is not there was "cleaned"
+    with status 0. Both are refused now, and the job held stays."""
+    job = job_id()
+    engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job, "ranks_per_node": 1}, rank=0, world_size=1)
+    engine.save({"w": torch.zeros(4)}, 1).wait_committed()
+    engine.close()
+    assert one_line_refusal(run_cli("clean", "--shm-dir", shm_dir, "--all", "--job", job)) == \
+        "ftmem clean: argument --job: not allowed with argument --all (see ftmem clean --help)"
+    assert one_line_refusal(run_cli("clean", "--shm-dir", shm_dir, "--job", "nosuch")) == \
+        f"ftmem clean: no job 'nosuch' in {shm_dir} (jobs there: {job}): nothing was freed. Name the shared-memory " \
+        f"directory it runs in with --shm-dir."
+    assert jobs.status(shm_dir, job)["jobs"][0]["nodes"][0]["versions"] == [1]
+    out = run_cli("clean", "--shm-dir", shm_dir, "--job", job)
+    assert out.returncode == 0 and jobs.list_jobs(shm_dir) == []
+
+
 def test_survival_of_a_million_nodes_answers_in_seconds():
     started = time.monotonic()
     out = run_cli("survival", "--nodes", "1000000", "--k", "2", "--m", "1", "--failures", "2")
