@@ -36,7 +36,7 @@ from ftmem._shm import jobs
 from ftmem._state.copier import joined_stream, read_from_slot
 from ftmem.errors import CorruptShard, FtmemError
 from ftmem._disk.format import FrameworkFormat, format_named
-from ftmem._disk.persist import publish
+from ftmem._disk.persist import make_staging, publish
 from ftmem._state.serialize import join_state
 from ftmem._shm.slots import CommitRecord, RankStore
 
@@ -174,7 +174,7 @@ def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
     staging = f".export-v{version}.tmp"
     shutil.rmtree(os.path.join(out, staging), ignore_errors=True)  # an export that was interrupted
     try:
-        os.makedirs(os.path.join(out, staging))  # and out, if missing
+        make_staging(os.path.join(out, staging))  # and out, if missing
     except OSError as e:
         raise FtmemError(f"cannot write into --out {out!r} ({e.strerror or e}): name a directory this user can "
                          f"write (it is created if missing).") from e

@@ -19,6 +19,8 @@ only the training processes have the process groups to gather it.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -30,21 +32,74 @@ import torch
 import torch.distributed as dist
 
 from ftmem._common import testhooks
+from ftmem._common.collective import first_problem
 from ftmem.errors import ConfigError, FtmemError
 from ftmem._disk.format import FrameworkFormat
 from ftmem._common.logs import job_info, rank_error, rank_info
 from ftmem._common.parallel import destroy_groups
+from ftmem._state.tree import tensors
 from ftmem._shm.slots import write_atomically
 
 MANIFEST = "ftmem_flushed.json"  # what this tier completed, oldest first: [{"name", "version"}]
+# In each staging directory (``.<name>.tmp``) while it is written: it is ftmem's, and may be removed.
+STAGING_MARK = ".ftmem-staging"
 PROGRESS_EVERY_S = 5.0
+
+
+class _KeepsWriteErrors:
+    """A file for torch.save that keeps the OSError behind a failed write: torch reports a
+    full disk as "[enforce fail at inline_container.cc] unexpected pos", which names nothing."""
+
+    def __init__(self, f):
+        self._f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
 
 
 def save_atomically(obj: Any, path: str) -> None:
     """torch.save ``obj`` to ``path`` under a temporary name, then rename: a reader sees
-    the whole file or none."""
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    the whole file or none. A write that fails raises its OSError (ENOSPC, EIO, ...), and
+    leaves no temporary file."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            writer = _KeepsWriteErrors(f)
+            try:
+                torch.save(obj, writer)
+            except RuntimeError:
+                if writer.error is not None:
+                    raise OSError(writer.error.errno, writer.error.strerror, tmp) from None
+                raise
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+
+
+def write_problem(e: BaseException, directory: str, needed: int) -> str:
+    """What went wrong writing ``needed`` bytes into ``directory``, in words a user can act on."""
+    if not isinstance(e, OSError):
+        return str(e)
+    code = errno.errorcode.get(e.errno, "")
+    said = f"{e.strerror or e} ({code})" if code else str(e.strerror or e)
+    said += f" writing {e.filename or directory}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            fs = os.statvfs(directory)
+            free = f"{fs.f_bavail * fs.f_frsize / 2**20:.1f} MiB"
+        except OSError:
+            free = "an unknown amount"
+        said += f": this rank's files need about {needed / 2**20:.1f} MiB, and {free} is free there"
+    return said
 
 
 def check_writable(root: str) -> None:
@@ -140,40 +195,42 @@ class Flusher:
                 rank_info(self.rank, "flushing version %d: %.1f MiB written, %.2f GB/s", version, written / 2**20,
                           written / (now - started) / 1e9)
 
-        if self.rank == 0:  # what a flush of the same name left when it was killed midway
-            shutil.rmtree(staging, ignore_errors=True)
-        if self._group is not None:
-            dist.barrier(group=self._group)
-        try:
-            os.makedirs(staging, exist_ok=True)
-            self.format.write_rank(state, staging, self.rank, self.first_replica, wrote)
-            ok = True
-        except Exception as e:  # a disk problem must not kill training: memory still protects it
-            rank_error(self.rank, "could not flush version %d to %s: %s", version, staging, e)
-            ok = False
-        if not self._everyone(ok):
-            return self._record_failure(version, "a rank failed to write it; see the log")
-        seconds = time.monotonic() - started
-        published = True
-        if self.rank == 0:
+        problem = None
+        if self.rank == 0:  # staging made once, and marked as ftmem's, before any rank writes into it
+            try:
+                shutil.rmtree(staging, ignore_errors=True)  # a flush of the same name killed midway
+                _remove_leftovers(self.root)  # those of other names
+                make_staging(staging)
+            except OSError as e:
+                problem = f"rank 0: {write_problem(e, staging, 0)}"
+        problem = self._first_problem(problem)
+        if problem is None:
+            try:
+                os.makedirs(staging, exist_ok=True)  # where the persist dir is not one file system for all nodes
+                self.format.write_rank(state, staging, self.rank, self.first_replica, wrote)
+            except Exception as e:  # a disk problem must not kill training: memory still protects it
+                problem = f"rank {self.rank}: {write_problem(e, staging, sum(t.nbytes for t in tensors(state)))}"
+                rank_error(self.rank, "could not flush version %d to %s: %s", version, staging, problem)
+        problem = self._first_problem(problem)
+        if problem is None and self.rank == 0:
             try:
                 publish(self.root, os.path.basename(staging), name, version, self.format.publish, self.keep)
             except Exception as e:
-                rank_error(self.rank, "could not publish version %d in %s: %s", version, self.root, e)
-                published = False
-        if not self._everyone(published):
-            return self._record_failure(version, "rank 0 failed to publish it; see the log")
+                problem = f"rank 0 could not publish it: {write_problem(e, self.root, 0)}"
+                rank_error(self.rank, "could not publish version %d in %s: %s", version, self.root, problem)
+        problem = self._first_problem(problem)
+        if problem is not None:
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)  # every rank is done with it
+            return self._record_failure(version, problem)
+        seconds = time.monotonic() - started
         self.last_flush, self.flushed_version, self._failure = (written, seconds), version, None
         rank_info(self.rank, "flushed version %d to %s: %.1f MiB in %.2f s (%.2f GB/s)", version,
                   os.path.join(self.root, name), written / 2**20, seconds, written / max(seconds, 1e-9) / 1e9)
 
-    def _everyone(self, ok: bool) -> bool:
-        """Whether every rank of the tier says ``ok`` (collective)."""
-        if self._group is None:
-            return ok
-        everyone_ok = torch.tensor([int(ok)], dtype=torch.int64)
-        dist.all_reduce(everyone_ok, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(everyone_ok.item())
+    def _first_problem(self, problem: Optional[str]) -> Optional[str]:
+        """The first problem any rank of the tier has, on every rank (collective)."""
+        return first_problem(problem, self._group)
 
     def _record_failure(self, version: int, why: str) -> None:
         """What it was to write is in memory only: :meth:`raise_failure` says so from now on."""
@@ -186,6 +243,24 @@ class Flusher:
                          f"stays the newest on disk. Fix the disk, or export the version from memory with "
                          f"`ftmem export`.")
         job_info("version %d was not flushed (%s); %s stays the newest on disk", version, why, newest)
+
+
+def make_staging(path: str) -> None:
+    """Make the directory a checkpoint is written into before :func:`publish` (and its
+    parents), marked as ftmem's: a leftover of it is removed by the next flush."""
+    os.makedirs(path)
+    write_atomically(os.path.join(path, STAGING_MARK), b"")
+
+
+def _remove_leftovers(root: str) -> None:
+    """Remove the staging directories that flushes killed midway left in ``root``: only
+    those ftmem marked as its own."""
+    for entry in os.listdir(root):
+        path = os.path.join(root, entry)
+        leftover = entry.startswith(".") and entry.endswith(".tmp")
+        if leftover and os.path.isdir(path) and not os.path.islink(path) and \
+                os.path.exists(os.path.join(path, STAGING_MARK)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def publish(root: str, staging: str, name: str, version: int, point_at: Callable[[str, str], None],
@@ -202,6 +277,7 @@ def publish(root: str, staging: str, name: str, version: int, point_at: Callable
         shutil.rmtree(aside)
     else:
         os.rename(os.path.join(root, staging), final)
+    os.unlink(os.path.join(final, STAGING_MARK))
     point_at(root, name)
     done = [c for c in flushed(root) if c["name"] != name] + [{"name": name, "version": version}]
     retired, kept = (done[:-keep], done[-keep:]) if keep else ([], done)

@@ -65,6 +65,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--elements", type=int, default=1000, help="of the one tensor each step saves")
     p.add_argument("--end", choices=("return", "exit1", "raise", "close", "hang"), default="return")
     p.add_argument("--persist", default=None)
     p.add_argument("--persist-interval", type=int, default=1)
@@ -101,7 +102,7 @@ def train(args, world: int) -> None:
     # it as a node whose file system cache is behind sees it, else the tier itself.
     view = os.environ.get("DISK_VIEW", args.persist)
     on_disk = flushed(view)[-1]["version"] if view and flushed(view) else None
-    own = torch.zeros(1000) if args.restore_into == "every-rank" or (args.restore_into and dist.get_rank() == 0) else None
+    own = torch.zeros(args.elements) if args.restore_into == "every-rank" or (args.restore_into and dist.get_rank() == 0) else None
     # A version named is that version or a refusal: no disk to fall back to.
     disk = DiskCheckpoint(on_disk, view) if on_disk is not None and args.load_version is None else None
     plan = runtime.plan_resume(disk,
@@ -129,7 +130,7 @@ def train(args, world: int) -> None:
         runtime.resumed(resumption)
     print(f"rank {dist.get_rank()}: resumes at step {start} ({resumption.source})", flush=True)
     for step in range(start, args.steps + 1):
-        w = torch.full((1000,), float(step))  # the same on every rank: each snapshots half (DP sharding)
+        w = torch.full((args.elements,), float(step))  # the same on every rank: each snapshots half (DP sharding)
         for each in [runtime, *others]:
             each.save({"w": w}, step, replicated=lambda t: t is w)
             if not (args.load_while_saving and step == args.steps):

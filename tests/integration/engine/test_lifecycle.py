@@ -8,8 +8,10 @@ import json
 import os
 import re
 import shutil
+import subprocess
 
 import pytest
+import torch
 
 from harness.common import flip_byte, job_id, logged
 from harness.ranks import LocalJob, wait_until
@@ -17,7 +19,7 @@ from ftmem import LayoutMismatch, restored_from_memory
 from ftmem._shm import jobs
 from ftmem._engine.elastic import line_of_jobs
 from ftmem._common.identity import job_root
-from ftmem._disk.persist import MANIFEST
+from ftmem._disk.persist import MANIFEST, STAGING_MARK
 from ftmem._shm.slots import RankStore
 from ftmem._shm.smp_client import running_smp, stop_smp
 
@@ -142,6 +144,46 @@ def test_a_last_flush_that_fails_keeps_memory_and_still_says_how_to_free_it(shm_
                      rf"job resumes from it. To free it: ftmem clean --job {job} --shm-dir {re.escape(shm_dir)}",
                      ended.log(0))
     assert line and "the persistent tier could not write version 3" in line.group(1), ended.log(0)[-3000:]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A directory on a file system of 256 KiB (a tmpfs mounted for the test): a full disk."""
+    path = tmp_path / "tiny"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_full_disk_under_the_persistent_tier_is_named_and_leaves_nothing_half_written(shm_dir, tmp_path,
+                                                                                        tiny_disk):
+    """The persistent tier on a disk that fills up: 2 ranks flush 80 KiB each per version,
+    and the disk holds about 256 KiB. Version 1 fits; version 2 does not. torch reported it
+    as "[enforce fail at inline_container.cc:672] . unexpected pos 3264 vs 3156", and the
+    version's staging directory stayed for ever. Now the failure names ENOSPC, the directory,
+    the bytes needed and the bytes free; the staging directory goes; version 1 stays whole;
+    and staging directories that killed flushes left (marked as ftmem's) go at the next
+    flush, while a directory that is not ftmem's stays."""
+    job = job_id()
+    leftover, users = tiny_disk / ".v9.tmp", tiny_disk / ".notes.tmp"
+    leftover.mkdir()
+    (leftover / STAGING_MARK).write_text("")
+    users.mkdir()
+    ended = run(shm_dir, tmp_path / "out", "--steps", "2", "--elements", "20000", "--persist", str(tiny_disk),
+                "--persist-interval", "1", job=job)
+    assert ended.wait(TIMEOUT) == [1, 1], ended.log(0)[-3000:]  # the job's wait_flushed raised the failure
+    log = ended.log(0) + ended.log(1)
+    assert "unexpected pos" not in log
+    said = re.search(r"version 2 was not flushed \(rank \d: No space left on device \(ENOSPC\) writing "
+                     rf"{re.escape(str(tiny_disk))}/\.v2\.tmp/rank\d\.pt\.tmp: this rank's files need about 0\.1 MiB, and "
+                     r"[\d.]+ MiB is free there\); v1 stays the newest on disk", log)
+    assert said, log[-4000:]
+    assert sorted(os.listdir(tiny_disk)) == [".notes.tmp", MANIFEST, "newest", "v1"]
+    assert [torch.load(tiny_disk / "v1" / f"rank{r}.pt").unique().tolist() for r in range(2)] == [[1.0], [1.0]]
+    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}  # memory keeps what the disk could not take
 
 
 def test_a_load_while_a_save_is_protected_waits_for_the_save_thread(shm_dir, tmp_path):
