@@ -15,6 +15,12 @@ the version it names (:meth:`~ftmem_deepspeed.FtmemCheckpointEngine.serve`): a
 collective, since the file may be another rank's, joined with a bounded wait. Where no
 such engine runs (another process, a job that has not loaded yet), the stub's own pickle
 raises ``FtmemStubFile``, which says what the file is and how to get real files.
+
+A served file honours what the caller asked of ``torch.load``: ``map_location`` is
+applied; under ``weights_only`` (torch's default) the served state is checked as torch
+checks a file, by torch's own restricted unpickler, and refused with torch's reason where
+the file would be; ``mmap=True`` asks that the tensors be read lazily from the file, and
+served tensors are already in memory, with no file behind them to map.
 """
 from __future__ import annotations
 
@@ -23,9 +29,23 @@ import os
 
 import torch
 
-from ftmem.adapter import apply_map_location
+from ftmem.adapter import apply_map_location, refuse_unless_weights_only
 
 from .checkpoint_engine import FtmemCheckpointEngine
+
+
+def _asks_weights_only(weights_only, pickle_module) -> bool:
+    """Whether this torch.load call loads with ``weights_only``, as torch decides it: True
+    by default (without a pickle module of the caller's), unless an environment variable
+    forces it either way (the one forcing False only where the caller did not say)."""
+    true = ("1", "y", "yes", "true")
+    if os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in true:
+        return True
+    if weights_only is None:
+        if os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in true:
+            return False
+        return pickle_module is None
+    return bool(weights_only)
 
 
 def install_torch_load_hook() -> None:
@@ -35,12 +55,15 @@ def install_torch_load_hook() -> None:
         return
 
     @functools.wraps(stock_load)
-    def load(f, map_location=None, *args, **kwargs):
+    def load(f, map_location=None, pickle_module=None, *, weights_only=None, mmap=None, **pickle_load_args):
         if isinstance(f, (str, os.PathLike)):
             engine = FtmemCheckpointEngine.serving(os.fspath(f))
             if engine is not None:
-                return apply_map_location(engine.serve(os.fspath(f)), map_location)
-        return stock_load(f, map_location, *args, **kwargs)
+                served = engine.serve(os.fspath(f))
+                if _asks_weights_only(weights_only, pickle_module):
+                    refuse_unless_weights_only(served, os.fspath(f))
+                return apply_map_location(served, map_location)
+        return stock_load(f, map_location, pickle_module, weights_only=weights_only, mmap=mmap, **pickle_load_args)
 
     load._ftmem = True
     torch.load = load

@@ -161,3 +161,26 @@ def join_state(skeleton: bytes, tensors: Sequence[Any]) -> Any:
     """Inverse of :func:`split_state`: put ``tensors`` back in their places.
     UnadmittedType if the skeleton names a global that is not admitted."""
     return _SkeletonUnpickler(io.BytesIO(skeleton), tensors, "the snapshot's skeleton").load()
+
+
+class _TensorsApart(pickle.Pickler):
+    """Pickles a structure as torch.save does (protocol 2), its tensors left out as numbered references."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        return id(obj) if isinstance(obj, torch.Tensor) else None
+
+
+def refuse_unless_weights_only(obj: Any, what: str) -> None:
+    """Raise UnadmittedType if ``torch.load(..., weights_only=True)`` would refuse a file
+    holding ``obj`` (``what`` names it): the same check, torch's own unpickler over the
+    structure as torch.save pickles it, its tensors left out."""
+    buf = io.BytesIO()
+    _TensorsApart(buf, protocol=2).dump(obj)
+    buf.seek(0)
+    unpickler = weights_only.Unpickler(buf, encoding="utf-8")
+    unpickler.persistent_load = lambda pid: None
+    try:
+        unpickler.load()
+    except pickle.UnpicklingError as e:
+        raise UnadmittedType(f"torch.load(weights_only=True) of {what} (served from memory) refuses it, as it "
+                             f"would refuse the file: {e} Load it with weights_only=False if you trust it.") from None

@@ -3,8 +3,9 @@ engine, which only the JSON config names (tests/integration/deepspeed/test_deeps
 
     python -m tests.harness.stock_deepspeed_train --config CONFIG.json --save-dir DIR --iters N --out DIR
         [--save-16bit DIR] [--also-save-to DIR]
-        [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-all|torch-load-in-worker]
-        [--read-back-tag TAG] [--reload]
+        [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-all|torch-load-in-worker|
+                     torch-load-weights-only]
+        [--read-back-tag TAG] [--reload] [--client-args]
 
 Each step's loss (as float hex) and the final weights go to ``--out``; it saves after
 every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the end,
@@ -14,7 +15,8 @@ every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the 
 to ``--out``: DeepSpeed's zero_to_fp32 in-process (on every rank, or on rank 0 only),
 or ``torch.load`` of the rank's model-states file by path (its module, or every tensor
 in it), in the rank itself or in a forked worker process (as DeepSpeed's ds_to_universal
-reads files). ``--read-back-tag`` reads that tag's files instead of the newest's.
+reads files), or with torch.load's default ``weights_only``. ``--client-args`` saves the
+script's args (an ``argparse.Namespace``, as many scripts do) in the client state. ``--read-back-tag`` reads that tag's files instead of the newest's.
 ``--reload`` takes one more step past the newest checkpoint and loads it again mid-run,
 without the optimizer's states and then with them (:func:`reload`).
 """
@@ -44,9 +46,10 @@ def main() -> None:
     p.add_argument("--also-save-to", default=None)
     p.add_argument("--read-back", default=None,
                    choices=("zero_to_fp32", "zero_to_fp32-on-rank-0", "torch-load", "torch-load-all",
-                            "torch-load-in-worker"))
+                            "torch-load-in-worker", "torch-load-weights-only"))
     p.add_argument("--read-back-tag", default=None)
     p.add_argument("--reload", action="store_true")
+    p.add_argument("--client-args", action="store_true")
     args = p.parse_args()
     with open(args.config) as f:
         config = json.load(f)
@@ -70,7 +73,8 @@ def main() -> None:
             engine.step()
             losses.write(json.dumps({"it": step, "loss": loss.item().hex()}) + "\n")
             losses.flush()
-            engine.save_checkpoint(args.save_dir, client_state={"next_step": step + 1})
+            client_state = {"next_step": step + 1, **({"args": args} if args.client_args else {})}
+            engine.save_checkpoint(args.save_dir, client_state=client_state)
     torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()},
                os.path.join(args.out, f"rank{rank}.final.pt"))
     if args.reload:
@@ -130,8 +134,16 @@ def read_back(how: str, engine, save_dir: str, tag, out: str) -> None:
             with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
                 print(f"rank {rank}: worker read {pool.submit(describe_read, path).result()}", flush=True)
             return
-        got = torch.load(path, map_location="cpu", weights_only=False)
-        got = dict(tensors_in(got)) if how == "torch-load-all" else got["module"]
+        if how == "torch-load-weights-only":
+            try:
+                got = torch.load(path, map_location="cpu")["module"]  # torch's default: weights_only=True
+            except Exception as e:
+                said = " ".join(str(e).split())  # torch's message spans lines
+                print(f"rank {rank}: torch.load refused: {said}", flush=True)
+                return
+        else:
+            got = torch.load(path, map_location="cpu", weights_only=False)
+            got = dict(tensors_in(got)) if how == "torch-load-all" else got["module"]
     elif how == "zero_to_fp32" or rank == 0:
         got = get_fp32_state_dict_from_zero_checkpoint(save_dir)
     else:

@@ -5,6 +5,7 @@ step; per-step losses and final weights)."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -345,7 +346,7 @@ def test_zero3_module_loads_are_served_from_memory_bitwise(load, shm_dir, tmp_pa
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
-@pytest.mark.parametrize("stage, how", [(3, "zero_to_fp32"), (1, "torch-load")])
+@pytest.mark.parametrize("stage, how", [(3, "zero_to_fp32"), (1, "torch-load"), (1, "torch-load-weights-only")])
 def test_a_script_reading_checkpoint_files_gets_what_the_default_engine_s_files_hold(stage, how, shm_dir,
                                                                                       tmp_path):
     """Right after its saves, with nothing restored, a script reads the newest checkpoint
@@ -365,6 +366,28 @@ def test_a_script_reading_checkpoint_files_gets_what_the_default_engine_s_files_
     for rank in range(world):
         mine, theirs = got["ftmem", rank], got["reference", rank]
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_torch_load_with_weights_only_refuses_a_served_stub_as_it_refuses_the_file(shm_dir, tmp_path):
+    """A script saves its args (an argparse.Namespace) in the client state, and then reads
+    the model-states file with torch.load's default, weights_only=True. torch refuses the
+    default engine's file (the Namespace is not an allowed global); a served stub was
+    handed over regardless. Now it is refused the same way, with torch's reason."""
+    config, stock = config_pair("zero1.json", shm_dir, ec={"k": 1, "m": 1})
+    world, said = 2, {}
+    for name, cfg, env in (("reference", stock, STOCK_ENV), ("ftmem", config, ENV)):
+        run = stock_script(tmp_path, name, cfg, env, world, job_id(), 2, "--client-args", "--read-back",
+                           "torch-load-weights-only")
+        assert run.wait(TIMEOUT) == [0] * world, run.log(0)[-5000:]
+        for rank in range(world):
+            said[name, rank] = re.search(r"torch.load refused: (.*)", run.log(rank))
+    for rank in range(world):
+        stock_refusal, ftmem_refusal = said["reference", rank], said["ftmem", rank]
+        assert stock_refusal and "GLOBAL argparse.Namespace was not an allowed global" in stock_refusal.group(1)
+        assert ftmem_refusal, said
+        assert ftmem_refusal.group(1).startswith("torch.load(weights_only=True) of ") and \
+            "(served from memory) refuses it, as it would refuse the file: Unsupported global: GLOBAL " \
+            "argparse.Namespace was not an allowed global" in ftmem_refusal.group(1)
 
 
 def test_zero_to_fp32_on_one_rank_is_refused_with_the_reason_not_left_waiting(shm_dir, tmp_path):
