@@ -4,14 +4,28 @@ decides alone (to fall back, to refuse, to stop) while the others go on leaves t
 waiting in the next collective; these helpers give every rank the same answer.
 
 Each is a collective over ``group`` (a gloo group of ftmem's, never a framework's);
-without a group (one rank) it answers from this rank alone.
+without a group (one rank) it answers from this rank alone. Those groups are made by
+:func:`new_group`, in a bounded time.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, TypeVar
+import itertools
+from datetime import timedelta
+from typing import Any, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from ftmem._common import testhooks
+from ftmem.config import seconds_from_env
+from ftmem.errors import CollectiveNotJoined
+
+TIMEOUT_ENV = "FTMEM_COLLECTIVE_TIMEOUT_S"
+TIMEOUT_S = 120.0  # how far apart the ranks may arrive at a collective that some may never join
+# How long one collective on a group of ftmem's may take once every rank is in it: the
+# transfers of a large state over a slow network (gloo's own default).
+OPERATION_TIMEOUT = timedelta(minutes=30)
+_groups_made = itertools.count(1)  # every rank makes ftmem's groups in the same order
 
 T = TypeVar("T")
 
@@ -42,3 +56,55 @@ def vote(yes: bool, group: Optional[dist.ProcessGroup]) -> bool:
     ballot = torch.tensor([int(yes)], dtype=torch.int64)
     dist.all_reduce(ballot, op=dist.ReduceOp.MIN, group=group)
     return bool(ballot.item())
+
+
+def collective_timeout_s() -> float:
+    return seconds_from_env(TIMEOUT_ENV, TIMEOUT_S, minimum=1,
+                            what="the time a rank waits for the others to join a collective of ftmem's")
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, timeout: timedelta = OPERATION_TIMEOUT) -> dist.ProcessGroup:
+    """A gloo group of ``ranks`` (all if None), made collectively by every rank of the job,
+    in the same order. Making it waits for every rank (torch's store barrier, then gloo's
+    connections) at most :func:`collective_timeout_s`, not the group's own ``timeout`` for its
+    operations (30 minutes): a rank that dies or hangs during ftmem's start then stops the
+    others in bounded time, with CollectiveNotJoined naming the ranks that did not come."""
+    made = next(_groups_made)
+    testhooks.at("new_group", dist.get_rank(), made - 1)
+    _arrived(made)
+    wait_s = collective_timeout_s()
+    try:
+        group = dist.new_group(ranks=sorted(ranks) if ranks is not None else None, backend="gloo",
+                               timeout=timedelta(seconds=wait_s))
+    except Exception as e:  # torch's store barrier or gloo's connect ran out (DistStoreError, RuntimeError)
+        missing = _behind(made)
+        who = f"ranks {missing}" if missing else "some ranks"
+        raise CollectiveNotJoined(
+            f"ftmem's process groups could not be made: {who} did not come within {wait_s:g} s ({TIMEOUT_ENV} sets "
+            f"the wait), as a rank that died or hangs during the job's start does. Nothing in shared memory was "
+            f"changed; restart the job ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return group
+
+
+def _key(rank: int) -> str:
+    return f"ftmem/group_arrivals/{rank}"
+
+
+def _arrived(made: int) -> None:
+    """Say on the job's store that this rank has come to make ftmem's ``made``-th group."""
+    dist.distributed_c10d._get_default_store().set(_key(dist.get_rank()), str(made))
+
+
+def _behind(made: int) -> list[int]:
+    """The other ranks that have not come to make the ``made``-th group (as far as the store can tell)."""
+    store = dist.distributed_c10d._get_default_store()
+    behind = []
+    for rank in range(dist.get_world_size()):
+        try:
+            done = int(store.get(_key(rank))) if store.check([_key(rank)]) else 0
+        except Exception:  # the store itself is gone (its host died): nothing to tell
+            return []
+        if done < made and rank != dist.get_rank():
+            behind.append(rank)
+    return behind

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from ftmem._common.collective import new_group
 from ftmem.errors import ConfigError
 
 
@@ -70,7 +71,7 @@ def make_dp_groups(layout: ParallelLayout, rank: int):
     """Create a gloo group per DP group (collective: all ranks, same order); return ours."""
     mine = None
     for group in layout.dp_groups:
-        pg = dist.new_group(ranks=sorted(group), backend="gloo")
+        pg = new_group(group)
         if rank in group:
             mine = pg
     return mine

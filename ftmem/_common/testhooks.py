@@ -7,6 +7,8 @@
 exists (the test kills something else meanwhile, an SMP say).
 Points (any action at any point; tests/faults/test_fault_matrix.py crosses them):
 
+* ``new_group``     starting the engine (v: the number of ftmem's groups this process has
+  made so far): before it makes the next one (ftmem/_common/collective.py);
 * ``mid_copy``      saving v: half of the tensors are copied into the slot, no marker;
 * ``after_commit``  saving v: right after its commit marker, before any parity exists;
 * ``mid_exchange``  saving v with erasure coding: after the column's first all_to_all

@@ -29,10 +29,9 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from ftmem._common import testhooks
-from ftmem._common.collective import first_problem
+from ftmem._common.collective import first_problem, new_group
 from ftmem.errors import ConfigError, FtmemError
 from ftmem._disk.format import FrameworkFormat
 from ftmem._common.logs import job_info, rank_error, rank_info
@@ -135,7 +134,7 @@ class Flusher:
         """``first_replica``: this rank writes the files its DP replicas hold alike."""
         self.root, self.interval, self.keep, self.format, self.rank = root, interval, keep, format, rank
         self.first_replica = first_replica
-        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._group = new_group() if world_size > 1 else None
         self._protected = 0
         self._thread: Optional[threading.Thread] = None
         self.last_flush: Optional[tuple[int, float]] = None  # (bytes this rank wrote, seconds), for benchmarks

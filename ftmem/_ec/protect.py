@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ftmem._common import testhooks
+from ftmem._common.collective import new_group
 from ftmem._state.checksum import checksum
 from ftmem._ec.codec import Codec
 from ftmem.errors import CorruptShard, EcGeometryMismatch, NotRecoverableFromMemory
@@ -409,7 +410,7 @@ def make_column_groups(topology: Topology, rank: int) -> Optional[dist.ProcessGr
     mine = None
     for g, local in topology.columns():
         ranks = topology.column_ranks(g, local)
-        pg = dist.new_group(ranks=ranks, backend="gloo")
+        pg = new_group(ranks)
         if rank in ranks:
             mine = pg
     return mine

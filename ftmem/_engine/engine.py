@@ -34,7 +34,7 @@ from ftmem._state.destinations import RestoreTargets
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
-from ftmem._common.collective import vote
+from ftmem._common.collective import new_group, vote
 from ftmem._common.logs import rank_warning
 from ftmem._engine.ownership import refuse_another_node_layout, refuse_foreign_versions
 from ftmem._common.parallel import ParallelLayout, destroy_groups, make_dp_groups
@@ -104,8 +104,8 @@ class SnapshotEngine:
                     f"ftmem with {world_size} ranks needs torch.distributed initialized before the engine "
                     f"is created (call dist.init_process_group first)."
                 )
-            gloo = dist.new_group(backend="gloo")
-            finish_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=FINISH_TIMEOUT_S))
+            gloo = new_group()
+            finish_group = new_group(timeout=timedelta(seconds=FINISH_TIMEOUT_S))
             dp_group = make_dp_groups(self.layout, rank)
             if m > 0:
                 column = ColumnCoder(self.topology, rank)

@@ -17,18 +17,11 @@ import itertools
 
 import torch.distributed as dist
 
-from ftmem.config import seconds_from_env
+from ftmem._common.collective import TIMEOUT_ENV, collective_timeout_s
 from ftmem.errors import CollectiveNotJoined
 
-TIMEOUT_ENV = "FTMEM_COLLECTIVE_TIMEOUT_S"
-TIMEOUT_S = 120.0  # the spread of the ranks' arrival a caller's collective may have
 _GO, _ABANDONED = b"go", b"abandoned"
 _calls = itertools.count()  # every rank joins the same rendezvous in the same order
-
-
-def collective_timeout_s() -> float:
-    return seconds_from_env(TIMEOUT_ENV, TIMEOUT_S, minimum=1,
-                            what="the time a rank waits for the others to join a read of every rank's snapshot")
 
 
 def everyone_joins(what: str, advice: str) -> None:

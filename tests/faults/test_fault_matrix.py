@@ -27,6 +27,7 @@ Cells run here (kill point x victim, lost nodes):
 * after commit x all ranks
 * mid-exchange x one rank; x all ranks with 0, 1 and 2 (= m+1) nodes lost
 * mid-restore x all ranks; x one rank; mid-rebuild x the rank being rebuilt
+* the engine's start (between its process groups) x one rank killed; x one rank hung
 * mid-flush x all ranks (tests/harness/lifecycle_job.py: the toy trainer has no persistent tier);
   mid-publish (rank 0 killed writing the flush manifest or retiring an old checkpoint)
 
@@ -258,6 +259,28 @@ def test_one_rank_killed_mid_restore(shm_dir, tmp_path, hooks, reference):
     job.restart_and_check(reference, expect_version=5)
 
 
+@pytest.mark.parametrize("action", ["kill", "pause"])
+def test_a_rank_lost_while_ftmem_makes_its_groups_stops_the_others_in_bounded_time(action, shm_dir, tmp_path, hooks,
+                                                                                   reference):
+    """A relaunch whose rank 1 dies (or hangs) once the engine has made its first process
+    group: the others sat in torch's store barrier of the next group for gloo's 30 minutes.
+    Now each stops within FTMEM_COLLECTIVE_TIMEOUT_S (here 5 s) and says which rank did not
+    come; memory is untouched and the next restart resumes version 5 bitwise."""
+    job = new_job(shm_dir, tmp_path)
+    job.run_until_stopped(after=5)
+    rank_env = {r: {"FTMEM_COLLECTIVE_TIMEOUT_S": "5", **hook("new_group", action, 1, hooks, ranks=[1]).get(r, {})}
+                for r in ALL}
+    with job.start(rank_env=rank_env) as run:
+        stop_by_themselves(run, [0, 2])
+        for rank in (0, 2):
+            assert "ftmem's process groups could not be made: ranks [1] did not come within 5 s" in run.log(rank), \
+                run.log(rank)[-3000:]
+        if action == "pause":
+            assert run.procs[1].poll() is None  # it hangs, as a stopped process does, until the launcher kills it
+    assert [job.held(n) for n in ALL] == [[4, 5]] * WORLD
+    job.restart_and_check(reference, expect_version=5)
+
+
 def test_the_rank_being_rebuilt_killed_mid_rebuild(shm_dir, tmp_path, hooks, reference):
     """Node 1 lost; the restart decodes rank 1's version 5 from parity, and rank 1 dies
     before writing it. The survivors stop by themselves, their parity intact, and the next
@@ -336,7 +359,7 @@ def test_a_kill_while_publishing_leaves_the_newest_recorded_checkpoint_on_disk(a
                 return real(path, *args, **kwargs)
             return call
         for version in (2, 4):
-            os.makedirs(os.path.join({root!r}, f".global_step{{version}}.tmp"))
+            persist.make_staging(os.path.join({root!r}, f".global_step{{version}}.tmp"))
             if version == 4 and {at!r} == "manifest":
                 persist.write_atomically = killed(persist.write_atomically, lambda p: p.endswith(persist.MANIFEST))
             if version == 4 and {at!r} == "retire":
