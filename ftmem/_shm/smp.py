@@ -9,17 +9,21 @@ counts as committed (:mod:`ftmem._shm.integrity`). The filesystem is the source 
 so killing the SMP loses no version; the next request starts a new one.
 
 Started by :func:`ftmem._shm.smp_client.ensure_smp` as ``main(["--node-dir", D, "--ranks", "0,1"])``.
-Requests, as JSON arrays over a ``multiprocessing.connection`` on an abstract Unix socket
-(``send_bytes``/``recv_bytes``: never a pickle, which would run code on receipt):
+Requests, as JSON arrays over a ``multiprocessing.connection`` on the Unix socket
+``smp.sock`` in the node directory (``send_bytes``/``recv_bytes``: never a pickle, which
+would run code on receipt):
 ``["alloc", rank, nbytes, parity_nbytes]``, ``["hello", rank, pid]``, ``["finished", rank]``,
 ``["ping"]``. Replies are ``["ok", ...]`` or ``["err", kind, msg]``. While it works on a slow
 request (an allocation of large slots) the SMP sends ``BUSY`` every ``KEEPALIVE_S``, so a
 rank can bound how long it waits for a word (:mod:`ftmem._shm.smp_client`) without bounding the
 size of the request.
 
-Only the job's user can connect: the socket's name is derived from the key in
-``smp.key`` (0600, in a 0700 directory), so no other user can know it, let alone bind it
-first, and a connection is served only after both ends proved they hold the key.
+Only the job's user can connect: the socket is a file in the node directory, which is
+0700, so no other user can reach it, bind it first, or fill the SMP with connections (an
+abstract socket name, as used before, is listed in ``/proc/net/unix`` for every user to
+read, connect to and squat). A connection is served only after both ends proved they hold
+the key in ``smp.key`` (0600); one that has not within ``HANDSHAKE_S`` is dropped, and at
+most ``MAX_HANDSHAKES`` are in progress at once.
 
 An SMP outlives only a job that may come back: once no rank it serves runs (none ever
 said hello, or all that did are dead) and none connects for ``FTMEM_SMP_GRACE_S``, it
@@ -30,19 +34,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import shutil
+import socket
+import struct
 import sys
 import threading
 import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
-from typing import Iterator
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Iterator, Optional
 
 from ftmem._common import testhooks
 from ftmem.config import seconds_from_env
@@ -59,24 +63,41 @@ PID_FILE = "smp.pid"
 KEY_FILE = "smp.key"
 LOG_FILE = "smp.log"
 LOCK_FILE = "smp.lock"
+SOCKET_FILE = "smp.sock"
 
 BUSY = ("busy",)  # "still working on your request": not a reply
 KEEPALIVE_S = 0.5
 SLOW_REQUESTS = ("alloc",)  # their time grows with the bytes; answered with keepalives
 MAX_MESSAGE_BYTES = 1 << 16  # requests and replies are a few numbers and a sentence
-# The SMP's exit status when another process holds its socket name (the rank reports it at once).
+# The SMP's exit status when another SMP of its node still listens on its socket (the rank reports it at once).
 EXIT_ADDRESS_TAKEN = 3
-_NAME_RELEASE_S = 3.0  # how long a killed SMP's socket name may outlive its pid
+HANDSHAKE_S = 10.0  # how long a connection may take to prove it holds the key
+MAX_HANDSHAKES = 64  # connections proving it at once: a node's ranks connect at once, at most once each
 GRACE_ENV = "FTMEM_SMP_GRACE_S"
 GRACE_S = 600.0  # how long an SMP waits for a rank to come back once none runs
 # (request kind, types of its arguments after the kind)
 _REQUESTS = {"ping": (), "alloc": (int, int, int), "hello": (int, int), "finished": (int,)}
 
 
-def smp_address(node_dir: str, key: bytes) -> str:
-    """Abstract-namespace socket name (no path length limit, gone with the process),
-    derived from the node's key: only who can read smp.key can know it."""
-    return "\0ftmem-smp-" + hashlib.sha256(os.path.realpath(node_dir).encode() + b"\0" + key).hexdigest()[:32]
+@contextlib.contextmanager
+def socket_path(node_dir: str) -> Iterator[str]:
+    """The path of the node's SMP socket, short enough for a Unix socket address (108
+    bytes, which a node directory under a long job id exceeds): through a descriptor of
+    the node directory, held while the path is used."""
+    fd = os.open(node_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{SOCKET_FILE}"
+    finally:
+        os.close(fd)
+
+
+def bound_waits(sock: socket.socket, timeout: float) -> None:
+    """Make each blocking read and write on ``sock`` fail with BlockingIOError after
+    ``timeout`` s (0: no bound). Set on the socket itself: a multiprocessing Connection
+    reads and writes its descriptor directly, past Python's own socket timeout."""
+    bound = struct.pack("ll", int(timeout), int(timeout % 1 * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, bound)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bound)
 
 
 def smp_grace_s() -> float:
@@ -146,6 +167,7 @@ class SnapshotManager:
         # Open connections (a rank starting, before its hello, counts as running), under a lock
         # of their own: an allocation holds _lock for long, and a connection must not wait for it.
         self._connections = 0
+        self._handshakes = 0  # of those, the ones not yet authenticated
         self._count_lock = threading.Lock()
 
     # -- requests -------------------------------------------------------------
@@ -223,12 +245,22 @@ class SnapshotManager:
             worker.join(KEEPALIVE_S)
         return done[0]
 
-    def _serve_connection(self, conn: Connection) -> None:
+    def _serve_connection(self, sock: socket.socket) -> None:
         # Authenticated here, not in accept(): a client that stalls halfway through the
-        # handshake holds up its own thread only, never the next rank's connection.
+        # handshake holds up its own thread only, never the next rank's connection, and
+        # only for HANDSHAKE_S.
         with self._count_lock:
-            self._connections += 1
+            crowded = self._handshakes >= MAX_HANDSHAKES
+            if not crowded:
+                self._connections += 1
+                self._handshakes += 1
+        if crowded:
+            log.warning("refused a connection: %d others are proving their key already", MAX_HANDSHAKES)
+            sock.close()
+            return
         try:
+            bound_waits(sock, HANDSHAKE_S)
+            conn = Connection(sock.detach())
             with conn:
                 try:
                     deliver_challenge(conn, self._key)
@@ -236,6 +268,12 @@ class SnapshotManager:
                 except (AuthenticationError, EOFError, OSError) as e:
                     log.warning("refused a connection: %s", e or type(e).__name__)
                     return
+                finally:
+                    with self._count_lock:
+                        self._handshakes -= 1
+                # A rank's connection stays open, idle between its requests, as long as it runs.
+                with socket.socket(fileno=os.dup(conn.fileno())) as same:
+                    bound_waits(same, 0)
                 self._serve_requests(conn)
         finally:
             with self._count_lock:
@@ -304,34 +342,36 @@ class SnapshotManager:
                  self.node_dir, grace_s)
         self._release_and_exit()
 
-    @staticmethod
-    def _listen(address: str):
-        """A listener on ``address``; None if another process holds the name. A killed SMP's
-        name stays taken for a moment after its pid is gone (its last threads still exiting):
-        that is waited out, briefly."""
-        deadline = time.monotonic() + _NAME_RELEASE_S
-        while True:
+    def _listen(self) -> Optional[socket.socket]:
+        """A socket listening on the node's ``smp.sock``; None if another SMP of the node
+        still listens there (one that lost its pid file). A socket file that nothing listens
+        on is what a killed SMP left: it is replaced. Only this user can write in the node
+        directory, so no other user can have put anything there."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with socket_path(self.node_dir) as path:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                # Room for every rank of a node connecting at once: a full backlog makes them wait.
-                return Listener(address, family="AF_UNIX", backlog=64)
-            except OSError as e:
-                if e.errno != errno.EADDRINUSE:
-                    raise
-                if time.monotonic() > deadline:
-                    return None
-            time.sleep(0.05)
+                probe.connect(path)
+                return None
+            except (ConnectionRefusedError, FileNotFoundError):
+                unlink_if_present(os.path.join(self.node_dir, SOCKET_FILE))
+            finally:
+                probe.close()
+            sock.bind(path)
+            os.chmod(path, 0o600)  # as every file of the node's (the directory alone keeps others out already)
+        # Room for every rank of a node connecting at once: a full backlog makes them wait.
+        sock.listen(64)
+        return sock
 
     def serve(self, grace_s: float) -> None:
         # The directory may have been replaced since the rank that started this SMP checked it.
         for path in (os.path.dirname(os.path.dirname(self.node_dir)), os.path.dirname(self.node_dir), self.node_dir):
             check_private_dir(path)
         self._key = read_key(self.node_dir)
-        address = smp_address(self.node_dir, self._key)
-        listener = self._listen(address)
+        listener = self._listen()
         if listener is None:
-            log.error("cannot listen: another process already holds this SMP's socket name %r (an SMP of %s that "
-                      "lost its pid file, or a process that read its smp.key); `ss -xlp | grep %s` names it",
-                      address[1:], self.node_dir, address[1:])
+            log.error("cannot listen: another SMP of %s (one that lost its pid file) still listens on %s; "
+                      "`ss -xlp | grep %s` names it", self.node_dir, SOCKET_FILE, self.node_dir)
             sys.exit(EXIT_ADDRESS_TAKEN)
         # The pid file says "ready": it is written only once the socket accepts.
         write_atomically(os.path.join(self.node_dir, PID_FILE), str(os.getpid()).encode(), private=True)
@@ -339,7 +379,7 @@ class SnapshotManager:
                  self.node_dir, self.ranks, grace_s)
         threading.Thread(target=self._watch, args=(grace_s,), daemon=True).start()
         while True:
-            conn = listener.accept()
+            conn, _ = listener.accept()
             threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
 
 

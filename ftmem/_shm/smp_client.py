@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -44,8 +43,8 @@ from ftmem._common.logs import log
 from ftmem._shm.private import (check_private_dir, open_private, private_dir, read_private, unlink_if_present,
                       write_atomically, write_new)
 from ftmem._shm.procs import cmdline, pid_alive, process_state, read_pid
-from ftmem._shm.smp import (BUSY, EXIT_ADDRESS_TAKEN, KEEPALIVE_S, KEY_FILE, LOCK_FILE, LOG_FILE, PID_FILE, node_lock,
-                  receive_message, send_message, smp_address, smp_grace_s)
+from ftmem._shm.smp import (BUSY, EXIT_ADDRESS_TAKEN, KEEPALIVE_S, KEY_FILE, LOCK_FILE, LOG_FILE, PID_FILE,
+                            bound_waits, node_lock, receive_message, send_message, smp_grace_s, socket_path)
 
 SMP_START_TIMEOUT_S = 60.0
 SMP_STOP_TIMEOUT_S = 5.0
@@ -202,21 +201,12 @@ def ensure_smp(node_dir: str, ranks: list[int], create: bool = True,
         code = proc.poll()
         if code == EXIT_ADDRESS_TAKEN:
             raise errors.SmpError(
-                f"the SMP for {node_dir} cannot listen: another process holds its socket name (an SMP of this node "
-                f"that lost its pid file, or a process that read its smp.key). Stop that process, or run "
-                f"`ftmem clean` for this job, then restart. Its log:\n{_log_tail(node_dir)}")
+                f"the SMP for {node_dir} cannot listen: another SMP of this node (one that lost its pid file) still "
+                f"listens on its socket. Stop that process (`ss -xlp | grep {node_dir}` names it), or run `ftmem "
+                f"clean` for this job, then restart. Its log:\n{_log_tail(node_dir)}")
         what = f"exited at start (exit code {code})" if code is not None else \
             f"did not start within {SMP_START_TIMEOUT_S:.0f} s"
         raise errors.SmpError(f"the SMP for {node_dir} {what}. Its log:\n{_log_tail(node_dir)}")
-
-
-def bound_waits(sock: socket.socket, timeout: float) -> None:
-    """Make each blocking read and write on ``sock`` fail with BlockingIOError after
-    ``timeout`` s. Set on the socket itself: a multiprocessing Connection reads and
-    writes its descriptor directly, past Python's own socket timeout."""
-    bound = struct.pack("ll", int(timeout), int(timeout % 1 * 1_000_000))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, bound)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, bound)
 
 
 def connect(node_dir: str, key: bytes, timeout: float) -> Connection:
@@ -225,7 +215,8 @@ def connect(node_dir: str, key: bytes, timeout: float) -> Connection:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         bound_waits(sock, timeout)  # first: connect() waits for room in the SMP's backlog up to it
-        sock.connect(smp_address(node_dir, key))
+        with socket_path(node_dir) as path:
+            sock.connect(path)
         conn = Connection(sock.detach())
     finally:
         sock.close()

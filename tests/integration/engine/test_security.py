@@ -2,10 +2,9 @@
 findings 1, 2 and 7). Things are planted as another user where that matters: a directory
 another user owns and a 0777 directory with another user's files in it need root, to
 plant them as ``nobody`` (a forked child that drops to its uid), and skip without it.
-The rest run as any user: a crafted marker, a crafted SMP request, a symlinked
-node.json, a pre-bound socket name (the SMP tells its clients apart by the key alone,
-so the client without the key and the squatter are ``nobody`` only when the tests run
-as root). In every case no planted code runs, nothing outside the root is written, and
+So does another user's reach for the SMP's socket. The rest run as any user: a crafted
+marker, a crafted SMP request, a symlinked node.json, connections that never prove the
+key. In every case no planted code runs, nothing outside the root is written, and
 the error says what is wrong. Then: the modes a save leaves under umask 002, and SMPs
 that exit once their job is gone."""
 import dataclasses
@@ -27,13 +26,13 @@ import pytest
 import torch
 
 from harness.common import job_id, make_engine, run_cli
-from ftmem import ConfigError, SmpError, SnapshotEngine, UnadmittedType, UnsafeSharedMemory
+from ftmem import ConfigError, SnapshotEngine, UnadmittedType, UnsafeSharedMemory
 from ftmem._shm import jobs
 from ftmem._state.checksum import with_checksum
 from ftmem._common.identity import root_dir
 from ftmem._shm.procs import pid_alive
 from ftmem._shm.slots import CommitRecord, decode_record, encode_record
-from ftmem._shm.smp import smp_address
+from ftmem._shm.smp import HANDSHAKE_S, MAX_HANDSHAKES, socket_path
 from ftmem._shm.smp_client import bound_waits, running_smp
 
 NOBODY = pwd.getpwnam("nobody")
@@ -47,14 +46,6 @@ def _drop_to_nobody() -> None:
     os.setgroups([])
     os.setgid(NOBODY.pw_gid)
     os.setuid(NOBODY.pw_uid)
-
-
-def _drop_to_nobody_if_root() -> None:
-    """For a stranger whose uid ftmem never looks at: ``nobody`` when the tests run as
-    root, else this user (who, in the child, uses nothing of the job's but what a
-    stranger could have)."""
-    if AS_ROOT:
-        _drop_to_nobody()
 
 
 def _wait_child(pid: int, timeout: float = BOUND_S) -> int:
@@ -87,10 +78,6 @@ def as_nobody(action) -> None:
     """Run ``action()`` in a forked child as ``nobody`` (needs root); fail if it raised."""
     _in_a_child(action, _drop_to_nobody)
 
-
-def as_a_stranger(action) -> None:
-    """Run ``action()`` in a forked child as a stranger (:func:`_drop_to_nobody_if_root`)."""
-    _in_a_child(action, _drop_to_nobody_if_root)
 
 
 def shared_like_dev_shm(shm_dir) -> None:
@@ -249,10 +236,11 @@ def test_export_admits_a_type_of_the_job_s_own_when_named_with_admit(shm_dir, tm
 
 
 # -- the SMP's channel -----------------------------------------------------------------------------
-def _raw_connection(address: str) -> Connection:
+def _raw_connection(node_dir: str) -> Connection:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound_waits(sock, 10)
-    sock.connect(address)
+    with socket_path(node_dir) as path:
+        sock.connect(path)
     return Connection(sock.detach())
 
 
@@ -262,27 +250,26 @@ def test_a_crafted_smp_request_runs_nothing_in_the_smp(shm_dir, tmp_path):
     node_dir = engine.identity.node_dir
     with open(os.path.join(node_dir, "smp.key"), "rb") as f:
         key = f.read()
-    address = smp_address(node_dir, key)
     payload = live_payload(str(evidence), str(tmp_path))
 
-    def unauthenticated_pickle():  # a stranger, who cannot read smp.key: refused at the handshake
-        conn = _raw_connection(address)
+    def unauthenticated_pickle():  # a client without the key: refused at the handshake
+        conn = _raw_connection(node_dir)
         conn.send_bytes(payload)
         try:
             conn.recv_bytes()
         except (EOFError, OSError):
             pass
 
-    as_a_stranger(unauthenticated_pickle)
+    unauthenticated_pickle()
     # Even a client holding the key gets no pickle loaded: the SMP reads JSON only.
-    conn = _raw_connection(address)
+    conn = _raw_connection(node_dir)
     answer_challenge(conn, key)
     deliver_challenge(conn, key)
     conn.send_bytes(payload)
     reply = json.loads(conn.recv_bytes())
     assert reply[0] == "err" and "refused a message that is not JSON" in reply[2], reply
     conn.close()
-    conn = _raw_connection(address)  # a well-formed request out of range is refused too
+    conn = _raw_connection(node_dir)  # a well-formed request out of range is refused too
     answer_challenge(conn, key)
     deliver_challenge(conn, key)
     conn.send_bytes(json.dumps(["alloc", 7, 1 << 40, 0]).encode())
@@ -314,53 +301,70 @@ def test_a_symlinked_node_json_is_replaced_not_followed(shm_dir, tmp_path):
     again.close(job_finished=True)
 
 
-def test_a_pre_bound_socket_name_is_reported_at_once(shm_dir):
+def abstract_names_of(pid: int) -> list[str]:
+    """The abstract-namespace names of the Unix sockets process ``pid`` holds (readable by every user)."""
+    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[len("socket:["):-1] for fd in os.listdir(f"/proc/{pid}/fd")
+              if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return [row[7] for row in rows if len(row) >= 8 and row[6] in inodes and row[7].startswith("@")]
+
+
+@needs_root
+def test_another_user_can_neither_reach_nor_take_the_smp_s_address_and_a_restart_recovers(shm_dir):
+    """The SMP listened on an abstract socket name, which every user reads in /proc/net/unix:
+    as nobody, 300 connections without the key grew root's SMP by 300 threads, and once the
+    SMP had exited, nobody bound the name and root's restart failed. The socket is now a
+    file in the 0700 node directory: as nobody, connecting is refused by the permissions,
+    binding there too, and ftmem lists no abstract name to squat; the restart recovers."""
     job = job_id()
     engine = make_engine(shm_dir, job)
+    engine.save({"w": torch.arange(4.0)}, 1).wait_committed()
     node_dir = engine.identity.node_dir
-    with open(os.path.join(node_dir, "smp.key"), "rb") as f:
-        address = smp_address(node_dir, f.read())
-    engine.close()
     smp = running_smp(node_dir)
-    os.kill(smp, signal.SIGKILL)
-    deadline = time.monotonic() + BOUND_S
-    while pid_alive(smp) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    ready_r, ready_w = os.pipe()
-    squatter = os.fork()
-    if squatter == 0:  # a stranger takes the name and holds it
-        try:
-            _drop_to_nobody_if_root()
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            free_by = time.monotonic() + 10  # the killed SMP's last threads may still hold the name
-            while True:
-                try:
-                    sock.bind(address)
-                    break
-                except OSError:
-                    if time.monotonic() > free_by:
-                        raise
-                    time.sleep(0.05)
-            sock.listen()
-            os.write(ready_w, b"1")
-            time.sleep(BOUND_S)
-        except BaseException as e:
-            os.write(ready_w, f"as nobody: {e!r}".encode())
-        finally:
-            os._exit(0)
-    os.close(ready_w)
-    try:
-        said = os.read(ready_r, 200)  # the child writes before anything else can fail
-        assert said == b"1", said
-        start = time.monotonic()
-        with pytest.raises(SmpError) as e:
-            make_engine(shm_dir, job)
-        assert time.monotonic() - start < 20, "reported late"
-        assert "cannot listen: another process holds its socket name" in str(e.value), str(e.value)
-    finally:
-        os.kill(squatter, signal.SIGKILL)
-        _wait_child(squatter)
-        os.close(ready_r)
+    assert not abstract_names_of(smp)
+    threads = len(os.listdir(f"/proc/{smp}/task"))
+
+    def reach_and_squat():
+        path = os.path.join(node_dir, "smp.sock")
+        for _ in range(300):
+            with pytest.raises(PermissionError):
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect(path)
+        with pytest.raises(PermissionError):
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).bind(os.path.join(node_dir, "other.sock"))
+
+    as_nobody(reach_and_squat)
+    assert len(os.listdir(f"/proc/{smp}/task")) <= threads
+    engine.close()
+    os.kill(smp, signal.SIGKILL)  # the restart starts a new SMP on the socket file the killed one left
+    again = make_engine(shm_dir, job)
+    assert torch.equal(again.restore().state["w"], torch.arange(4.0))
+    again.close(job_finished=True)
+
+
+def test_connections_that_do_not_prove_the_key_are_dropped_and_capped(shm_dir):
+    """Connections (of the job's own user: no other can connect) that never answer the
+    key's challenge are dropped after HANDSHAKE_S, and no more than MAX_HANDSHAKES are
+    served at once: the SMP's threads stay bounded, and the job's ranks are still served."""
+    engine = make_engine(shm_dir)
+    node_dir = engine.identity.node_dir
+    smp = running_smp(node_dir)
+    silent = []
+    for _ in range(MAX_HANDSHAKES + 100):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with socket_path(node_dir) as path:
+            sock.connect(path)
+        silent.append(sock)
+    time.sleep(1)
+    assert len(os.listdir(f"/proc/{smp}/task")) < MAX_HANDSHAKES + 20
+    engine.save({"w": torch.zeros(4)}, 1).wait_committed()  # the rank's own connection is served
+    for sock in silent[:5]:
+        sock.settimeout(HANDSHAKE_S + BOUND_S)
+        sock.recv(1 << 16)  # the SMP's challenge (dropped ones get nothing) ...
+        assert sock.recv(1) == b""  # ... then the end of the connection, once HANDSHAKE_S passed
+    for sock in silent:
+        sock.close()
+    engine.close(job_finished=True)
 
 
 # -- modes -----------------------------------------------------------------------------------------
