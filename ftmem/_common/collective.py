@@ -83,7 +83,8 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout: timedelta = OPERAT
             f"ftmem's process groups could not be made: {who} did not come within {wait_s:g} s ({TIMEOUT_ENV} sets "
             f"the wait), as a rank that died or hangs during the job's start does. Nothing in shared memory was "
             f"changed; restart the job ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from e
-    dist.distributed_c10d._set_pg_timeout(timeout, group)
+    if ranks is None or dist.get_rank() in ranks:  # a rank outside the group gets a placeholder
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
     return group
 
 
