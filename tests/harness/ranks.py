@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -95,6 +94,14 @@ class _ForkServer:
                 raise RuntimeError(f"the rank fork server exited with {self.proc.returncode}")
             return self._forked.pop(0)
 
+    def kill(self, pid: int) -> None:
+        """SIGKILL child ``pid`` unless it has ended (the server knows; this side may not yet)."""
+        if self.proc.poll() is not None:  # the server ended, and killed its children first
+            return
+        with self._lock:
+            self.proc.stdin.write(json.dumps({"kill": pid}) + "\n")
+            self.proc.stdin.flush()
+
     def code(self, pid: int, timeout: Optional[float]) -> Optional[int]:
         with self._changed:
             self._changed.wait_for(lambda: pid in self._codes or self.proc.poll() is not None, timeout=timeout)
@@ -166,8 +173,10 @@ class ForkedRank:
         return self.returncode
 
     def kill(self) -> None:
-        if self.poll() is None:  # not reported, so not reaped: the pid is still this rank's
-            os.kill(self.pid, signal.SIGKILL)
+        # Through the server: a rank may end, and be reaped, between a poll here and a kill
+        # here (its report still on the way), and its pid be another process's by then.
+        if self.poll() is None:
+            self.server.kill(self.pid)
 
 
 #: every rank started here, so that a harness cut short (a test past its time limit) can end those left

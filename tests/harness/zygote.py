@@ -10,10 +10,10 @@ rank, which was most of the suite's time in multi-process tests (tests/harness/r
 says which jobs may start this way).
 
 Protocol, one JSON object per line: requests on stdin ``{"module", "args", "env", "cwd",
-"log"}``; on stdout, for each request in order ``{"pid": P}``, and for each child that
+"log"}`` (fork a rank) or ``{"kill": P}`` (SIGKILL child P, unless it has ended); on stdout, for each request in order ``{"pid": P}``, and for each child that
 ended ``{"pid": P, "code": C}`` (C as ``subprocess.Popen.returncode``: ``-N`` for signal N).
-An ended child is reaped only when it is reported, so its pid is never reused while the
-test may still kill it. The server exits when its stdin closes, killing the children left.
+An ended child is reaped only when it is reported, and the test kills a child through the
+server, which kills only a child it has not reaped: a pid is never reused under a kill. The server exits when its stdin closes, killing the children left.
 """
 import json
 import os
@@ -71,6 +71,10 @@ def _serve(requests, out) -> dict:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
+            if "kill" in request:  # only a child not reaped yet: its pid is still that rank's
+                if request["kill"] in children:
+                    os.kill(request["kill"], signal.SIGKILL)
+                continue
             pid = os.fork()
             if pid == 0:
                 return request
