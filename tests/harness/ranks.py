@@ -7,8 +7,8 @@ changes what the other's run sees: megatron-core admits ``argparse.Namespace`` t
 ``weights_only`` loading). One server per framework and environment of imports
 (``PYTHONPATH``, torch's backend autoload, threads), started with that environment, so that
 a rank finds what a cold ``python -m`` would have imported. A server whose ``PYTHONPATH``
-may bring packages of its own (a Megatron-LM tree, a patched DeepSpeed) imports only torch
-and numpy ahead. A rank where CUDA is present starts cold. Either way it is a real process,
+brings the framework's own tree (Megatron-LM's, a patched DeepSpeed) imports it from there;
+one whose path may change the framework otherwise imports only torch and numpy ahead. A rank where CUDA is present starts cold. Either way it is a real process,
 killed for real.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ class _ForkServer:
                 env.pop(name, None)
             else:
                 env[name] = value
-        preload = framework if env.get("PYTHONPATH") is None else "torch"
+        preload = _preload_for(framework, env.get("PYTHONPATH"))
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.harness.zygote", preload], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._changed = threading.Condition()
@@ -127,6 +127,20 @@ def _framework_of(module: str) -> str:
         return "megatron"
     if "deepspeed" in module or module == "stock_load":
         return "deepspeed"
+    return "torch"
+
+
+def _preload_for(framework: str, pythonpath: Optional[str]) -> str:
+    """What a server preloads: its framework, from the interpreter's packages, or from the
+    server's ``PYTHONPATH`` where that path brings the framework's package itself (a
+    Megatron-LM tree: the server imports it from the same path as the rank would, Megatron-LM's
+    training package included). A path that may change what the interpreter's own framework does
+    on import (a ``sitecustomize``, a patch) gets torch alone."""
+    if pythonpath is None:
+        return framework
+    package = {"megatron": ("megatron", "training"), "deepspeed": ("deepspeed",)}.get(framework)
+    if package and any(os.path.isdir(os.path.join(entry, *package)) for entry in pythonpath.split(os.pathsep)):
+        return framework + "-tree"
     return "torch"
 
 

@@ -1,4 +1,4 @@
-"""A fork server for rank processes: ``python -m tests.harness.zygote deepspeed|megatron|torch``
+"""A fork server for rank processes: ``python -m tests.harness.zygote deepspeed|megatron|torch|...``
 imports torch and that framework (or torch alone) once, then forks one child per rank on
 request. Each child
 becomes ``python -m <module> <args>`` with its own environment, working directory and
@@ -23,11 +23,15 @@ import signal
 import sys
 
 #: what every forked rank finds imported; anything else it imports itself. Where the
-#: server's PYTHONPATH may hold its own DeepSpeed or Megatron (argument ``torch``), only
-#: torch and numpy: what the path brings is imported by each rank from it.
+#: server's PYTHONPATH brings the framework's own tree (``*-tree``), it is imported from
+#: there, as the rank would; where the path may change it otherwise (``torch``), only torch
+#: and numpy.
 PRELOAD = {"deepspeed": ("torch", "numpy", "deepspeed"),
            "megatron": ("torch", "numpy", "megatron.core", "megatron.core.models.gpt"),
-           "torch": ("torch", "numpy")}
+           "torch": ("torch", "numpy"),
+           # The package on the server's PYTHONPATH (tests/harness/ranks.py: _preload_for)
+           "megatron-tree": ("torch", "numpy", "megatron.core", "megatron.core.models.gpt", "megatron.training"),
+           "deepspeed-tree": ("torch", "numpy", "deepspeed")}
 
 
 def _preload(which: str) -> None:

@@ -147,7 +147,7 @@ def test_a_load_of_an_older_tag_resumes_that_checkpoint_with_its_own_rng(shm_dir
     assert_same_training(job.out, ref, world, ITERS)
 
 
-def test_an_elastic_zero1_checkpoint_resumes_as_deepspeed_s_elastic_loader_does(shm_dir, tmp_path):
+def test_an_elastic_zero1_checkpoint_resumes_as_deepspeed_s_elastic_loader_does(shm_dir, tmp_path, torch_extensions):
     """"elastic_checkpoint": true: DeepSpeed's elastic loader reads every DP rank's
     optimizer partition, on every rank; with ftmem, the other ranks' are served from
     memory. Both jobs stop after step 3 and are killed; ftmem's also loses a node. The
@@ -156,9 +156,8 @@ def test_an_elastic_zero1_checkpoint_resumes_as_deepspeed_s_elastic_loader_does(
     the optimizer state, and the second step after it differs; and DeepSpeed saves no
     RNG state, hence no dropout here)."""
     # DeepSpeed's own Adam (a torch optimizer keeps no step in its param groups, which the
-    # elastic loader needs) is JIT-built under a lock: in a directory of this test's own,
-    # so that no other test waits on a build (the ranks are killed only after it).
-    env, world = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}, 3
+    # elastic loader needs), built once and loaded under a lock of this test's own.
+    env, world = {"TORCH_EXTENSIONS_DIR": torch_extensions}, 3
     outs = {}
     for name, stock in (("reference", True), ("ftmem", False)):
         job = DSJob("zero1-elastic.json", world, shm_dir, str(tmp_path / name), stock=stock, env=env)
@@ -188,7 +187,7 @@ def test_an_elastic_zero1_checkpoint_resumes_as_deepspeed_s_elastic_loader_does(
     ("zero1-elastic.json", {"ec": {"k": 1, "m": 1}}, 2, None, 4, ("--no-optimizer-states",)),
 ])
 def test_a_relaunch_on_another_number_of_nodes_resumes_from_the_old_world_s_memory_as_deepspeed_loads_its_files(
-        config, ftmem, before, lost, after, load, shm_dir, tmp_path):
+        config, ftmem, before, lost, after, load, shm_dir, tmp_path, torch_extensions):
     """Ranks on virtual nodes of one rank stop after step 3 and are killed; ftmem's job may
     also lose a node; each job comes back on another number of ranks (its job id derived
     from the new world). ftmem's relaunch adopts the old world's version from memory (the
@@ -196,8 +195,8 @@ def test_a_relaunch_on_another_number_of_nodes_resumes_from_the_old_world_s_memo
     files: the resumed training is bitwise the same. The relaunch then protects versions
     of its own under its new EC groups, and the old job's memory is freed. (No dropout:
     DeepSpeed saves no RNG state, and the old ranks' RNG does not carry over to another world.)"""
-    # DeepSpeed's own Adam is JIT-built under a lock: in a directory of this test's own.
-    env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"), "FTMEM_JOB_ID": ""}
+    # DeepSpeed's own Adam, built once and loaded under a lock of this test's own.
+    env = {"TORCH_EXTENSIONS_DIR": torch_extensions, "FTMEM_JOB_ID": ""}
     outs = {}
     for name, stock in (("reference", True), ("ftmem", False)):
         job = DSJob(config, before, shm_dir, str(tmp_path / name), ftmem=ftmem, stock=stock, env=env)
