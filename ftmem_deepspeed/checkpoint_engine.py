@@ -137,11 +137,12 @@ class FtmemCheckpointEngine(CheckpointEngine):
         version = self._version(files)
         runtime = self._start(info.save_dir)
         identity = runtime.identity
+        # The stubs name the save (its id is the snapshot's): written once the snapshot has started.
+        handle = runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()},
+                               "tag": info.tag}, version, replicated=lambda t: id(t) in replicated)
         for path, state_dict in files.items():
             metadata = {k: v for k, v in state_dict.items() if not tensors(v)} if isinstance(state_dict, dict) else {}
-            write_stub(path, file_key(path), identity.job, metadata, (identity.world_size, identity.ranks_per_node))
-        runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()}, "tag": info.tag},
-                     version, replicated=lambda t: id(t) in replicated)
+            write_stub(path, file_key(path), handle.ref, metadata, (identity.world_size, identity.ranks_per_node))
         return True
 
     def load(self, path: str, map_location=None):

@@ -18,7 +18,7 @@ from ftmem import FtmemError, NotRecoverableFromMemory, ParallelLayout, Restored
 from ftmem.adapter import (DISK, MEMORY, AdapterRuntime, DiskCheckpoint, OtherWorlds, RestoreTargets, Resumption,
                            everyone_joins, flushed, lowest_rank_first)
 
-from .stub import is_stub, read_stub
+from .stub import is_stub, read_stub, version_of
 
 
 def _is_layer_file(key: str) -> bool:
@@ -66,15 +66,14 @@ class DeepSpeedLoads:
         tier can give back, the load is refused: DeepSpeed's default engine would have
         loaded that checkpoint, so a fresh start in its place would be a silently wrong
         resume. Collective: every rank loads."""
-        self._load = self._resume(into)
+        self._load = self._resume(load_dir, into)
         resumption = self._load.resumption
         if resumption.source == MEMORY:
             return load_dir, self._load.tag
         if resumption.source == DISK:
             return os.path.split(resumption.disk.directory)
         latest = _read_latest(load_dir)
-        stub = next((f for f in sorted(glob.glob(os.path.join(load_dir, latest, "*"))) if is_stub(f)),
-                    None) if latest else None
+        stub = _stub_in(os.path.join(load_dir, latest)) if latest else None
         if latest and stub is None:
             return load_dir, None  # files another engine wrote: DeepSpeed loads them as usual
         if latest:
@@ -139,13 +138,17 @@ class DeepSpeedLoads:
         :meth:`ftmem_deepspeed.FtmemCheckpointEngine.loaded`)."""
         self._load = self._served = None
 
-    def _resume(self, into: Optional[RestoreTargets]) -> _Load:
-        """A resume (collective): memory's newest, else the persistent tier's newest checkpoint
-        (then DeepSpeed reads its real files, see :meth:`resume_point`), else nothing."""
+    def _resume(self, load_dir: str, into: Optional[RestoreTargets]) -> _Load:
+        """A resume (collective): memory's newest of the run that ``latest`` in ``load_dir``
+        names (an earlier run's versions are stale), else the persistent tier's newest
+        checkpoint (then DeepSpeed reads its real files, see :meth:`resume_point`), else nothing."""
         persist_dir = self._persist_dir
         newest = flushed(persist_dir)[-1] if persist_dir and flushed(persist_dir) else None
         disk = DiskCheckpoint(newest["version"], os.path.join(persist_dir, newest["name"])) if newest else None
-        plan = self.runtime.plan_resume(disk, OtherWorlds(refuse=self._cannot_load))
+        latest = _read_latest(load_dir)
+        stub = _stub_in(os.path.join(load_dir, latest)) if latest else None
+        plan = self.runtime.plan_resume(disk, OtherWorlds(refuse=self._cannot_load),
+                                        newest_saved=version_of(read_stub(stub)) if stub else None)
         # What to restore into is built here, between the collective phases.
         targets = into(plan.saved) if into is not None and plan.chosen is not None else None
         plan = self.runtime.restore(plan, into=targets)
@@ -191,12 +194,17 @@ class DeepSpeedLoads:
     @staticmethod
     def _checked(path: str, restored: Restored) -> Restored:
         """``restored``, the version whose stub ``path`` is, unless a later save of the same
-        global step replaced it."""
+        global step replaced it, or it is another run's save of that step."""
         tag, version = _tag_of(path), restored.version
         if restored.state["tag"] != tag:
             raise FtmemError(f"{path} is a stub of version {version} (tag {tag!r}), but memory's version {version} is "
                              f"tag {restored.state['tag']!r}: a later save of the same global step replaced it. Load "
                              f"tag {restored.state['tag']!r}, or a checkpoint on disk.")
+        saved = version_of(read_stub(path))
+        if saved is not None and saved.uid != restored.uid:
+            raise FtmemError(f"{path} is a stub of job {saved.job}'s version {version}, but memory's version {version} "
+                             f"is another run's save of that step (stale memory of an earlier run of the same save "
+                             f"dir, or the stub is). Load a checkpoint on disk, or run the job that wrote the stub.")
         return restored
 
     def _refuse_another_job_s(self, stub: str) -> None:
@@ -236,6 +244,11 @@ def _version_of_tag(tag_dir: str) -> int:
         raise FtmemError(f"cannot tell which version the ftmem stubs in {tag_dir} are of (their global steps: "
                          f"{sorted(steps)}).")
     return int(steps.pop())
+
+
+def _stub_in(tag_dir: str) -> Optional[str]:
+    """The first ftmem stub in a tag's directory; None where it holds none (another engine's files)."""
+    return next((f for f in sorted(glob.glob(os.path.join(tag_dir, "*"))) if is_stub(f)), None)
 
 
 def _read_latest(load_dir: str) -> str:

@@ -12,13 +12,15 @@ real files. This module reads the call's argument instead of making it.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
+from typing import Optional
 
 import torch
 
 import ftmem_guard
-from ftmem.adapter import write_atomically
+from ftmem.adapter import VersionRef, write_atomically
 
 _STUB_GLOBAL = (ftmem_guard.__name__, ftmem_guard.ftmem_in_memory_checkpoint_stub.__name__)
 
@@ -28,8 +30,9 @@ torch.serialization.add_safe_globals([ftmem_guard.ftmem_in_memory_checkpoint_stu
 
 
 # The stub's own format. 1: tag_file, job, metadata; 2: also world (the writer's world size
-# and ranks per node). A stub without "format" is of format 1.
-STUB_FORMAT = 2
+# and ranks per node); 3: also version (the save it stands for, a VersionRef's fields). A
+# stub without "format" is of format 1.
+STUB_FORMAT = 3
 
 
 class _Stub:
@@ -40,14 +43,20 @@ class _Stub:
         return ftmem_guard.ftmem_in_memory_checkpoint_stub, (self.info,)
 
 
-def write_stub(path: str, tag_file: str, job: str, metadata: dict, world: tuple[int, int]) -> None:
-    """``world``: the writing job's (world size, ranks per node), for a refusal to name
-    what a relaunch at another size changed."""
+def write_stub(path: str, tag_file: str, version: VersionRef, metadata: dict, world: tuple[int, int]) -> None:
+    """``version``: the save the stub stands for, told apart from an earlier run's save of the
+    same number; ``world``: the writing job's (world size, ranks per node), for a refusal to
+    name what a relaunch at another size changed."""
     # Every DP replica writes the same model-states stub: each under a temporary name of its own.
     stub = io.BytesIO()
-    torch.save(_Stub({"format": STUB_FORMAT, "tag_file": tag_file, "job": job, "metadata": metadata,
-                      "world": list(world)}), stub)
+    torch.save(_Stub({"format": STUB_FORMAT, "tag_file": tag_file, "job": version.job, "metadata": metadata,
+                      "world": list(world), "version": dataclasses.asdict(version)}), stub)
     write_atomically(path, stub.getvalue())
+
+
+def version_of(info: dict) -> Optional[VersionRef]:
+    """The save a stub (its ``info``) stands for; None for a stub of a format before 3, which does not say."""
+    return VersionRef(**info["version"]) if info.get("format", 1) >= 3 else None
 
 
 class _NotAStub(Exception):
@@ -93,8 +102,9 @@ def _load(path: str, whole: bool):
 
 
 def read_stub(path: str) -> dict:
-    """A stub's info: ``tag_file``, ``job``, ``metadata``, and from format 2 on ``world``
-    (``format``: :data:`STUB_FORMAT`, 1 where absent); ValueError if ``path`` is none."""
+    """A stub's info: ``tag_file``, ``job``, ``metadata``, from format 2 on ``world``, and
+    from format 3 on ``version`` (:func:`version_of`); ``format``: :data:`STUB_FORMAT`, 1 where
+    absent. ValueError if ``path`` is none."""
     try:
         return _load(path, whole=True)
     except _NotAStub:

@@ -55,7 +55,8 @@ from ftmem._ec.placement import ECGroup
 from ftmem._ec.protect import Geometry, Topology, decode_member, member_piece, plan_recovery
 from ftmem._common.collective import first_problem, gather
 from ftmem._state.serialize import join_state
-from ftmem._shm.slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore, decode_record, encode_record
+from ftmem._shm.slots import (DATA, PARITY, CommitRecord, ParityRecord, RankStore, VersionRef, decode_record,
+                              encode_record)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class Adopted:
 
     job: str  # the job that saved it
     version: int
+    uid: str  # of that save (CommitRecord.uid)
+    timeline: str  # the version's (CommitRecord.timeline), which this job carries on
     world: str  # that job's world, in words
     layout: ParallelLayout  # its parallel layout
     states: list  # every old rank's state, by old rank; None for those this rank does not load
@@ -82,6 +85,10 @@ class Adopted:
     # The old jobs that the adopted one descends from (:func:`line_of_jobs`): {job: the node
     # directories of it that this rank frees with the adopted job's}.
     superseded: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ref(self) -> VersionRef:
+        return VersionRef(self.job, self.version, self.uid, self.timeline)
 
     def __str__(self) -> str:
         rebuilt = f", its rank(s) {self.rebuilt} rebuilt from parity" if self.rebuilt else ""
@@ -111,9 +118,11 @@ def _free_nodes(shm_dir: str, job: str, paths: list[str], why: str) -> None:
 
 
 def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_name: str,
-          other_worlds: OtherWorlds) -> Adopted:
+          other_worlds: OtherWorlds, timeline: Optional[str] = None) -> Adopted:
     """The newest version that the other jobs of this job's origin can give back, on every
-    rank (collective over ``group``, the job's gloo group). There are several where a
+    rank (collective over ``group``, the job's gloo group); with ``timeline``, a version of
+    that timeline, from a job whose newest version is of it (the others are stale: an earlier
+    run's, left as they are). There are several where a
     relaunch that adopted a version died before it had freed the job it adopted from: the
     newest job of that line is tried first, then the jobs it descends from, while what a
     job holds cannot be rebuilt (:func:`line_of_jobs`). Where ``other_worlds.refuse`` says
@@ -122,12 +131,22 @@ def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_nam
     NotRecoverableFromMemory where no job can give a version back."""
     rank = dist.get_rank() if group is not None else 0
     here, seen, heads = _other_jobs(identity, group)
+    if timeline is not None:
+        stale = sorted(job for job, head in heads.items() if head.timeline != timeline)
+        if stale:
+            job_info("not adopting from job(s) %s: their newest versions are of another run than the save dir's "
+                     "newest checkpoint (stale memory, left as it is: `ftmem clean --job JOB --shm-dir %s` frees "
+                     "each)", stale, identity.shm_dir)
+        heads = {job: head for job, head in heads.items() if head.timeline == timeline}
     if not heads:
-        raise NotRecoverableFromMemory("the other jobs' memory went away before it could be read (ftmem clean?).")
+        raise NotRecoverableFromMemory("no other job of this save dir holds a version of the run that the save "
+                                       "dir's newest checkpoint is of." if timeline is not None else
+                                       "the other jobs' memory went away before it could be read (ftmem clean?).")
     line, problems = line_of_jobs(heads), []
     for i, old in enumerate(line):
         try:
-            adopted = _adopt_from(old, identity, seen, here, rank, group, format_name, other_worlds)
+            adopted = _adopt_from(old, identity, seen, here, rank, group, format_name, other_worlds,
+                                  heads[old].timeline)
         except (NotRecoverableFromMemory, EcGeometryMismatch) as e:
             job_info("not adopting from job %s: %s Trying the job it descends from, if any.", old, e)
             problems.append(str(e))
@@ -137,55 +156,76 @@ def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_nam
     raise NotRecoverableFromMemory(" ".join(problems))
 
 
-def free_ancestors(identity: RankIdentity, group: Optional[dist.ProcessGroup], lineage: Optional[tuple[str, int]],
+def free_ancestors(identity: RankIdentity, group: Optional[dist.ProcessGroup], lineage: Optional[VersionRef],
                    version: int) -> None:
-    """This job resumed its own ``version``, of a line adopted from ``lineage`` (job,
-    version; None: a line of its own, and nothing to do): free that job, and the jobs it
-    descends from, where the origin's memory still holds them (collective where there is a
-    lineage, which is the version's, the same on every rank; each old node is freed by the
-    lowest rank that sees it). A relaunch that adopted a version and was killed before it
-    freed them (:meth:`Adopted.free`), restarted in its own world, would otherwise leave them
-    held until ``ftmem clean``, though nothing would read them again: a restart of this job
-    restores its own memory, never theirs, and a relaunch on another world adopts from the
-    newest job of the line. Other jobs of the origin are left alone."""
+    """This job resumed its own ``version``, of a line adopted from ``lineage`` (None: a line
+    of its own, and nothing to do): free that job, and the jobs it descends from, where the
+    origin's memory still holds them with nothing else (collective where there is a lineage,
+    which is the version's, the same on every rank; each old node is freed by the lowest rank
+    that sees it). A relaunch that adopted a version and was killed before it freed them
+    (:meth:`Adopted.free`), restarted in its own world, would otherwise leave them held until
+    ``ftmem clean``, though nothing would read them again: a restart of this job restores its
+    own memory, never theirs, and a relaunch on another world adopts from the newest job of
+    the line. A job whose newest version is not the very save the line descends from (an
+    earlier or later run of the same command saved that number again) is kept, and the log
+    says how to free it. Other jobs of the origin are left alone."""
     if lineage is None:
         return
     rank = dist.get_rank() if group is not None else 0
     here, seen, heads = _other_jobs(identity, group)
-    job, adopted_version, freed = *lineage, set()
-    while job in heads and job not in freed:
-        freed.add(job)
-        _free_nodes(identity.shm_dir, job, sorted(_read_by(rank, job, seen, here).values()),
-                    f"this job's line descends from its version {adopted_version}, and this job resumed its own "
+    ref, freed = lineage, set()
+    while ref is not None and ref.job in heads and ref.job not in freed:
+        head = heads[ref.job]
+        if head.uid != ref.uid:
+            job_info("kept job %s's memory: its newest version %d is not the save of version %d that this job's "
+                     "line descends from (another run of the same save dir saved it); `ftmem clean --job %s "
+                     "--shm-dir %s` frees it", ref.job, head.version, ref.version, ref.job, identity.shm_dir)
+            return
+        freed.add(ref.job)
+        _free_nodes(identity.shm_dir, ref.job, sorted(_read_by(rank, ref.job, seen, here).values()),
+                    f"this job's line descends from its version {ref.version}, and this job resumed its own "
                     f"version {version}")
-        job, adopted_version = heads[job][1] or (None, None)
+        ref = head.lineage
+
+
+@dataclass(frozen=True)
+class _Head:
+    """A job's newest version held (on one node, or on any) and what its record says."""
+
+    version: int  # -1: none
+    lineage: Optional[VersionRef] = None
+    uid: Optional[str] = None
+    timeline: Optional[str] = None
 
 
 def _other_jobs(identity: RankIdentity, group: Optional[dist.ProcessGroup]) -> tuple[dict, list, dict]:
     """The other jobs of this job's origin in memory (collective): the node directories this
     rank sees ({job: {node: path}}), what every rank sees ({job: {node: (ranks, head)}}, by
-    rank) and each job's head ({job: (its newest version, that version's lineage)})."""
+    rank) and each job's head ({job: its newest version's :class:`_Head`})."""
     here = other_jobs_of_origin(identity)
     seen = gather({job: {node: (len(node_ranks(path)), _head(path, identity.origin))
                                  for node, path in dirs.items()} for job, dirs in here.items()}, group)
-    heads: dict[str, tuple] = {}
+    heads: dict[str, _Head] = {}
     for held in seen:
         for job, nodes in held.items():
-            heads[job] = max([heads.get(job, (-1, None)), *(head for _, head in nodes.values())], key=lambda h: h[0])
+            heads[job] = max([heads.get(job, _Head(-1)), *(head for _, head in nodes.values())],
+                             key=lambda h: h.version)
     return here, seen, heads
 
 
-def line_of_jobs(heads: dict[str, tuple[int, Optional[tuple[str, int]]]]) -> list[str]:
+def line_of_jobs(heads: dict[str, _Head]) -> list[str]:
     """The old jobs of an origin to adopt from, in the order to try them, from each job's
-    newest version and that version's lineage (``heads``): the job that no other descends
-    from, then the job it descends from, and so on. LayoutMismatch where the jobs are not
-    one such line (two unrelated jobs, or two relaunches of one job): ftmem cannot tell
-    which one this job continues, and version numbers alone do not say (a relaunch that
-    fell back to an older disk checkpoint starts a line of its own)."""
-    parents = {job: lineage[0] for job, (_, lineage) in heads.items() if lineage and lineage[0] in heads}
+    newest version (``heads``): the job that no other descends from, then the job it
+    descends from, and so on; a job descends from another whose newest version is the very
+    save its lineage names. LayoutMismatch where the jobs are not one such line (two
+    unrelated jobs, or two relaunches of one job): ftmem cannot tell which one this job
+    continues, and version numbers alone do not say (a relaunch that fell back to an older
+    disk checkpoint starts a line of its own)."""
+    parents = {job: head.lineage.job for job, head in heads.items()
+               if head.lineage and head.lineage.job in heads and heads[head.lineage.job].uid == head.lineage.uid}
     newest = [job for job in heads if job not in parents.values()]
     if len(newest) != 1:
-        described = ", ".join(f"{job} (newest version {heads[job][0]}"
+        described = ", ".join(f"{job} (newest version {heads[job].version}"
                               + (f", adopted from job {parents[job]})" if job in parents else ")")
                               for job in sorted(heads))
         raise LayoutMismatch(f"the memory of several jobs is held ({described}), and they are not one line of "
@@ -197,13 +237,12 @@ def line_of_jobs(heads: dict[str, tuple[int, Optional[tuple[str, int]]]]) -> lis
     return line
 
 
-def _head(path: str, origin: str) -> tuple[int, Optional[tuple[str, int]]]:
-    """The newest version of ``origin`` that a node directory holds a readable record of
-    (-1: none) and that record's lineage."""
+def _head(path: str, origin: str) -> _Head:
+    """The newest version of ``origin`` that a node directory holds a readable record of."""
     records = [record for rank in node_ranks(path) for record in readable_records(RankStore(path, rank))
                if record.origin == origin]
     newest = max(records, key=lambda record: record.version, default=None)
-    return (-1, None) if newest is None else (newest.version, newest.lineage)
+    return _Head(-1) if newest is None else _Head(newest.version, newest.lineage, newest.uid, newest.timeline)
 
 
 def _readers(job: str, seen: list) -> dict[int, int]:
@@ -222,12 +261,13 @@ def _read_by(rank: int, job: str, seen: list, here: dict) -> dict[int, str]:
 
 
 def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: int,
-                group: Optional[dist.ProcessGroup], format_name: str, other_worlds: OtherWorlds) -> Adopted:
-    """The newest version job ``old`` can give back (collective; see :func:`adopt`)."""
+                group: Optional[dist.ProcessGroup], format_name: str, other_worlds: OtherWorlds,
+                timeline: Optional[str]) -> Adopted:
+    """The newest version of ``timeline`` that job ``old`` can give back (collective; see :func:`adopt`)."""
     readers = _readers(old, seen)
     read_here = _read_by(rank, old, seen, here)
     stores = {r: RankStore(path, r) for path in read_here.values() for r in node_ranks(path)}
-    commits, parities = _records_of(stores, identity.origin, group)
+    commits, parities = _records_of(stores, identity.origin, timeline, group)
     sample = next((record for held in commits.values() for record in held.values()), None)
     if sample is None:
         raise NotRecoverableFromMemory(f"job {old}'s memory holds no readable version.")
@@ -290,14 +330,17 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
     if loads is not None:
         rank_info(rank, "takes old rank(s) %s's state of job %s's version %d (the data of %d of its %d old ranks "
                   "received, %d rebuilt)", sorted(mine), old, chosen, received, world, len(rebuilt_here))
-    return Adopted(job=old, version=chosen, world=world_in_words(world, per_node), layout=layout, states=states,
+    uid = next(held[chosen].uid for held in commits.values() if chosen in held)
+    return Adopted(job=old, version=chosen, uid=uid, timeline=timeline, world=world_in_words(world, per_node),
+                   layout=layout, states=states,
                    rebuilt=sorted(r for r in lost if r in needed), read_here=sorted(read_here.values()))
 
 
-def _records_of(stores: dict[int, RankStore], origin: str,
+def _records_of(stores: dict[int, RankStore], origin: str, timeline: Optional[str],
                 group: Optional[dist.ProcessGroup]) -> tuple[dict[int, dict], dict[int, dict]]:
-    """Every old rank's intact commit and parity records of the origin's versions, by old
-    rank and version, as every new rank sees them (gathered as their plain encoding)."""
+    """Every old rank's intact commit and parity records of the origin's versions of
+    ``timeline``, by old rank and version, as every new rank sees them (gathered as their
+    plain encoding)."""
     def readable(read, versions) -> dict[int, bytes]:
         found = {}
         for v in versions:
@@ -314,8 +357,9 @@ def _records_of(stores: dict[int, RankStore], origin: str,
     for held in gather(mine, group):
         for r, (data, parity) in held.items():
             commits[r] = {v: c for v, c in ((v, decode_record(CommitRecord, b)) for v, b in data.items())
-                          if c.origin == origin}
-            parities[r] = {v: decode_record(ParityRecord, b) for v, b in parity.items()}
+                          if c.origin == origin and c.timeline == timeline}
+            parities[r] = {v: p for v, p in ((v, decode_record(ParityRecord, b)) for v, b in parity.items())
+                           if all(c.timeline == timeline for c in p.records)}
     return commits, parities
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -34,7 +35,7 @@ from ftmem._state.destinations import RestoreTargets
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
-from ftmem._common.collective import new_group, vote
+from ftmem._common.collective import gather, new_group, vote
 from ftmem._common.logs import rank_warning
 from ftmem._engine.ownership import refuse_another_node_layout, refuse_foreign_versions
 from ftmem._common.parallel import ParallelLayout, destroy_groups, make_dp_groups
@@ -42,10 +43,10 @@ from ftmem._disk.persist import Flusher
 from ftmem._ec.placement import ec_groups
 from ftmem._state.plan import Planner
 from ftmem._ec.protect import ColumnCoder, Topology, make_column_groups, piece_size
-from ftmem._engine.restore import Chosen, DataParallelPeers, Restored, Restorer
+from ftmem._engine.restore import Chosen, DataParallelPeers, Restored, Restorer, off_timeline
 from ftmem._state.serialize import split_state
 from ftmem._shm.slot_memory import SlotMemory
-from ftmem._shm.slots import CommitRecord, RankStore
+from ftmem._shm.slots import CommitRecord, RankStore, VersionRef
 from ftmem._shm.smp_client import SmpClient
 
 __all__ = ["SnapshotEngine", "Restored"]
@@ -123,6 +124,11 @@ class SnapshotEngine:
         self._smp.request("hello", rank, os.getpid())
         self.store = RankStore(self.identity.node_dir, rank)
         refuse_foreign_versions(self.store, self.identity, gloo)
+        # This run's id, the same on every rank: with a count of its saves, it names each save
+        # (CommitRecord.uid); a run that starts from scratch or from disk starts a timeline of that name.
+        self._run = gather(secrets.token_hex(8), gloo)[0]
+        self._saves = 0
+        self.timeline: Optional[str] = None  # of the versions this run saves: set at its resume or first save
         self.memory = SlotMemory(self.store, self._smp)
         self._restorer = Restorer(self.store, self.memory, self.topology, column, gloo, self.dp_peers, self.layout)
         self._committer = Committer(self.store, self.memory, column, gloo,
@@ -131,7 +137,7 @@ class SnapshotEngine:
         self._inflight: Optional[SaveHandle] = None
         self._planner = Planner()
         self.protected: Optional[int] = None  # the newest version saved and protected, or resumed from
-        self.lineage: Optional[tuple[str, int]] = None  # recorded in each version (CommitRecord.lineage)
+        self.lineage: Optional[VersionRef] = None  # recorded in each version (CommitRecord.lineage)
         self._closed = False
 
     @property
@@ -171,10 +177,12 @@ class SnapshotEngine:
         slot_bytes = self.memory.bytes_of(slot)
         if any(t.is_cuda for t in tensors):
             self.memory.pin(slot_bytes)
-        handle = SaveHandle(version)
+        self._saves += 1
+        self.timeline = self.timeline or self._run
         record = CommitRecord(version=version, rank=self.rank, slot=slot, plan=plan, skeleton=skeleton,
                               layout=self.layout, format=self.format, origin=self.identity.origin,
-                              lineage=self.lineage)
+                              lineage=self.lineage, uid=f"{self._run}.{self._saves}", timeline=self.timeline)
+        handle = SaveHandle(version, record.ref(self.identity.job))
         self._committer.start(handle, record, tensors, slot_bytes, capture_cuda_order(tensors), persist)
         self._inflight = handle
         return handle
@@ -259,11 +267,16 @@ class SnapshotEngine:
             return None
         return self.read(chosen, device, into(chosen.saved) if into is not None else None, drop_newer)
 
-    def choose(self, version: Optional[int] = None) -> Optional[Chosen]:
+    def choose(self, version: Optional[int] = None, timeline: Optional[str] = None) -> Optional[Chosen]:
         """The restore's first phase (collective): the version agreed on, checked and rebuilt,
-        nothing copied yet (:meth:`ftmem._engine.restore.Restorer.choose`); None for a fresh job."""
+        nothing copied yet (:meth:`ftmem._engine.restore.Restorer.choose`); None for a fresh job.
+        With ``timeline``, versions of any other are not candidates."""
         self.wait_idle()  # a save in flight commits first, and its thread leaves the groups to this one
-        return self._restorer.choose(version)
+        return self._restorer.choose(version, timeline)
+
+    def versions_off(self, timeline: str) -> list[int]:
+        """The versions this rank holds (data or parity) of a timeline other than ``timeline``."""
+        return sorted(off_timeline(*self._restorer.held(), timeline))
 
     def read(self, chosen: Chosen, device: Union[str, torch.device] = "cpu", into: Any = None,
              drop_newer: bool = True) -> Restored:
@@ -294,11 +307,12 @@ class SnapshotEngine:
             self._smp.close()
             self._end_groups()
 
-    def resumed_at(self, version: Optional[int], lineage: Optional[tuple[str, int]]) -> None:
-        """The job resumed ``version`` (of its own, or adopted: ``lineage``): until it saves again
-        that is its newest version, which a job ending without a save must keep in memory or
-        flush, never free; and its next versions carry on ``lineage`` (:mod:`ftmem._engine.elastic`)."""
-        self.protected, self.lineage = version, lineage
+    def resumed_at(self, version: Optional[int], lineage: Optional[VersionRef], timeline: str) -> None:
+        """The job resumed ``version`` (of its own, or adopted: ``lineage``) of ``timeline``: until
+        it saves again that is its newest version, which a job ending without a save must keep in
+        memory or flush, never free; and its next versions carry on ``lineage``
+        (:mod:`ftmem._engine.elastic`) and the timeline."""
+        self.protected, self.lineage, self.timeline = version, lineage, timeline
 
     def every_rank_finished(self, finished: bool) -> bool:
         """Whether every rank of the job says ``finished`` (collective, bounded by FINISH_TIMEOUT_S;

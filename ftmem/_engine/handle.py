@@ -5,6 +5,8 @@ import threading
 import time
 from typing import Optional
 
+from ftmem._shm.slots import VersionRef
+
 
 class SaveHandle:
     """A save of ``version`` in flight.
@@ -21,8 +23,9 @@ class SaveHandle:
     commit marker, parity, agreement).
     """
 
-    def __init__(self, version: int):
+    def __init__(self, version: int, ref: Optional[VersionRef] = None):
         self.version = version
+        self.ref = ref  # the save, told apart from any other of the same number (what stubs record)
         self._reusable = threading.Event()
         self._committed = threading.Event()
         self._error: Optional[BaseException] = None

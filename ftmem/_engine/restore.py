@@ -29,7 +29,7 @@ from ftmem._state.plan import SnapshotPlan
 from ftmem._ec.protect import ColumnCoder, Geometry, Topology, plan_recovery, with_slot
 from ftmem._state.serialize import join_state
 from ftmem._shm.slot_memory import SlotMemory
-from ftmem._shm.slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore
+from ftmem._shm.slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore, VersionRef
 
 
 @dataclass
@@ -52,7 +52,15 @@ class Restored:
     state: Any
     rebuilt: bool = False  # this rank's data was rebuilt from its EC group's parity
     times: RestoreTimes = field(default_factory=RestoreTimes)
-    lineage: Optional[tuple[str, int]] = None  # the version's CommitRecord.lineage
+    lineage: Optional[VersionRef] = None  # the version's CommitRecord.lineage
+    uid: Optional[str] = None  # the version's save (CommitRecord.uid)
+    timeline: Optional[str] = None  # the version's CommitRecord.timeline
+
+
+def off_timeline(data: dict[int, CommitRecord], parity: dict[int, ParityRecord], timeline: str) -> set[int]:
+    """The versions among held ``data`` and ``parity`` records that are not of ``timeline``."""
+    return ({v for v, record in data.items() if record.timeline != timeline}
+            | {v for v, record in parity.items() if any(r.timeline != timeline for r in record.records)})
 
 
 @dataclass
@@ -222,19 +230,24 @@ class Restorer:
             if not any(gather(damaged, self._gloo)):
                 return chosen, to_rebuild, held
 
-    def choose(self, version: Optional[int]) -> Optional[Chosen]:
+    def choose(self, version: Optional[int], timeline: Optional[str] = None) -> Optional[Chosen]:
         """The restore's first phase (collective): agree job-wide on the version (``version``,
-        else the newest every rank can recover), rebuild what lost nodes held from parity, and
-        check its layout. Nothing is copied out yet: the caller may name the tensors to restore
-        into from :attr:`Chosen.saved` before :meth:`read`. None if no rank holds a version.
-        See :meth:`ftmem.SnapshotEngine.restore` for what it raises."""
+        else the newest every rank can recover; of ``timeline`` only, where it is given), rebuild
+        what lost nodes held from parity, and check its layout. Nothing is copied out yet: the
+        caller may name the tensors to restore into from :attr:`Chosen.saved` before :meth:`read`.
+        None if no rank holds a version. See :meth:`ftmem.SnapshotEngine.restore` for what it raises."""
         times, began = RestoreTimes(), time.perf_counter()
-        on_entry = sorted(set(self.store.committed()) | set(self.store.parity_held()))
+        on_entry = set(self.store.committed()) | set(self.store.parity_held())
         data, parity = self.held()
+        if timeline is not None:  # the others are left as they are, neither candidates nor dropped
+            for v in off_timeline(data, parity, timeline):
+                data.pop(v, None)
+                parity.pop(v, None)
+                on_entry.discard(v)
         decision = self._choose_version(version, data, parity)
         times.agree_s = time.perf_counter() - began
         if decision is None:
-            self._refuse_a_fresh_start(on_entry)
+            self._refuse_a_fresh_start(sorted(on_entry))
             return None
         chosen, to_rebuild, held = decision
         # The crash tests' "mid-restore": the job agreed on ``chosen``; nothing rebuilt or read yet.
@@ -278,7 +291,7 @@ class Restorer:
                   "copying %.3f s, waiting for the DP gather %.3f s", record.version, times.total_s, times.agree_s,
                   times.rebuild_s, times.copy_s, times.gather_wait_s)
         return Restored(version=record.version, state=state, rebuilt=chosen.rebuilt, times=times,
-                        lineage=record.lineage)
+                        lineage=record.lineage, uid=record.uid, timeline=record.timeline)
 
     def _refuse_a_fresh_start(self, on_entry: list[int]) -> None:
         """No rank has intact data of any version. That is a fresh job only if no rank held

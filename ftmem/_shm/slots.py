@@ -52,7 +52,21 @@ _MARKER_RE = re.compile(r"^rank(\d{5})\.v(\d{12})\.s(\d)\.(commit|parity)$")
 # 2: a commit record's checksum is ftmem._state.checksum.data_checksum (of chunks), no longer one xxh3.
 # 3: a skeleton names each tensor by a call of ftmem._state.serialize.tensor_reference, no longer by a persistent id.
 # 4: a parity record says which of its pieces copy one member's data (k = 1), and carries that member's checksum for them.
-RECORD_FORMAT = 4
+# 5: a commit record names its save (uid) and timeline; its lineage is a VersionRef, no longer (job, version).
+RECORD_FORMAT = 5
+
+
+@dataclass(frozen=True)
+class VersionRef:
+    """One saved version, told apart from every other of the same number: an earlier run of
+    the same command into the same save dir saves the same numbers again."""
+
+    job: str  # the job that saved it
+    version: int
+    uid: str  # of that save: the saving run's id and the save's place in that run (CommitRecord.uid)
+    # The line of training it belongs to: named by the run that started it from scratch (or
+    # from a disk checkpoint), carried on by every restart that resumes from memory.
+    timeline: str
 
 
 @dataclass(frozen=True)
@@ -68,9 +82,15 @@ class CommitRecord:
     format: Optional[str] = None  # the FrameworkFormat that writes it to disk (ftmem._disk.format), by name
     checksum: Optional[str] = None  # of the slot's bytes in use; set by the writer before the marker exists
     origin: Optional[str] = None  # the job that saved it (ftmem._engine.ownership)
-    # (job, version) of another world's job that this job's line of versions resumed from
-    # (ftmem._engine.elastic), carried on by the versions saved after a restore of one of them.
-    lineage: Optional[tuple[str, int]] = None
+    # Another world's version that this job's line of versions resumed from (ftmem._engine.elastic),
+    # carried on by the versions saved after a restore of one of them.
+    lineage: Optional[VersionRef] = None
+    uid: Optional[str] = None  # VersionRef.uid
+    timeline: Optional[str] = None  # VersionRef.timeline
+
+    def ref(self, job: str) -> VersionRef:
+        """This version as saved by ``job``."""
+        return VersionRef(job, self.version, self.uid, self.timeline)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from ftmem._engine.handle import SaveHandle
 from ftmem._engine.rendezvous import everyone_joins
 from ftmem._engine.restore import Restored, RestoreTimes
 from ftmem._shm.private import write_atomically
+from ftmem._shm.slots import VersionRef
 from ftmem._state.destinations import RestoreTargets, TensorPlace
 from ftmem._state.gc_deferral import collection_deferred
 from ftmem._state.serialize import refuse_unless_weights_only
@@ -23,7 +24,7 @@ from ftmem.config import DP_SHARD_CHOICES, FtmemConfig
 __all__ = [
     "AdapterRuntime", "Resumption", "ResumeSource", "MEMORY", "DISK", "SCRATCH", "DiskCheckpoint", "check_startup",
     "FrameworkFormat", "RestoreTargets", "TensorPlace", "Adopted", "OtherWorlds",
-    "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes",
+    "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes", "VersionRef",
     "collection_deferred", "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins",
     "map_tree", "leaves", "tensors", "apply_map_location", "lowest_rank_first", "refuse_unless_weights_only",
     "job_info", "rank_info", "restored_from_memory", "restored_from_disk",

@@ -46,6 +46,7 @@ from ftmem._common.identity import check_node_layout, world_in_words
 from ftmem._disk.persist import Flusher, check_writable
 from ftmem._common.collective import first_problem, gather
 from ftmem._engine.restore import Chosen, Restored, RestoreTimes
+from ftmem._shm.slots import VersionRef
 
 class ResumeSource(enum.Enum):
     """Where a restart resumes from."""
@@ -203,7 +204,7 @@ class AdapterRuntime:
     # runs between them, never inside one, and its problems are voted on at the next phase,
     # so that every rank takes the same way out.
     def plan_resume(self, disk: Optional[DiskCheckpoint] = None, other_worlds: Optional[OtherWorlds] = None,
-                    named: Optional[int] = None) -> Resumption:
+                    named: Optional[int] = None, newest_saved: Optional[VersionRef] = None) -> Resumption:
         """Phase 1: decide where to resume. Memory's newest version that every rank can
         recover (agreed on, rebuilt where nodes were lost, not yet copied out), unless the
         newest disk checkpoint (``disk``: this rank's view) is newer; else the disk, which
@@ -212,15 +213,22 @@ class AdapterRuntime:
         given back is raised. A version of another layout or EC geometry, or of another
         world's job while this job holds none (unless ``other_worlds`` lets it adopt that:
         :func:`ftmem._engine.elastic.adopt`), is refused with the reason (memory left as it
-        is), or skipped for the disk with ``allow_disk_fallback``."""
+        is), or skipped for the disk with ``allow_disk_fallback``. ``newest_saved``: the version
+        that the framework's own pointer in the save dir names (DeepSpeed's ``latest``), where
+        ftmem recorded which save it is: memory's versions of another timeline (an earlier
+        run of the same command into the same save dir) are stale, neither restored nor
+        adopted nor freed, and the log says so."""
         views = tuple(self.gather(None if disk is None else disk.version))
         plan = Resumption(SCRATCH, disk=disk, named=named is not None, disk_views=views)
         newest_on_disk = max((v for v in views if v is not None), default=None)
+        timeline = newest_saved.timeline if newest_saved is not None else None
+        if timeline is not None:
+            self._report_stale(newest_saved)
         try:
-            chosen = self._engine.choose(named)
+            chosen = self._engine.choose(named, timeline)
             if named is not None and chosen is None:
                 raise NotRecoverableFromMemory(f"memory holds no version of this job, so not version {named}")
-            adopted = None if chosen is not None or named is not None else self._adopt(other_worlds)
+            adopted = None if chosen is not None or named is not None else self._adopt(other_worlds, timeline)
         except (LayoutMismatch, NotRecoverableFromMemory) as e:  # EcGeometryMismatch is a LayoutMismatch
             if named is not None and disk is None:
                 raise  # the load named this version, and there is nothing else it could load
@@ -293,21 +301,31 @@ class AdapterRuntime:
             # Its memory is the version's only copy until this job protects one of its own
             # (:meth:`_free_adopted_once_protected`); the next versions carry on its line.
             self._adopted, self.last_restore = adopted, None
-            self._engine.resumed_at(None, (adopted.job, adopted.version))
+            self._engine.resumed_at(None, adopted.ref, adopted.timeline)
             announce(restored_from_memory(adopted.version, self.rank, ", ".join(filter(None, (detail, str(adopted))))))
             return
         # The job's newest version until it saves again: a job that ends without saving (a
         # relaunch at its last iteration) must keep it in memory or flush it, never free it.
         # Its next versions carry on the line it was adopted from (ftmem._engine.elastic).
-        self._engine.resumed_at(restored.version, restored.lineage)
+        self._engine.resumed_at(restored.version, restored.lineage, restored.timeline)
         self.last_restore = restored.times
         announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
         free_ancestors(self._engine.identity, self._engine.job_group, restored.lineage, restored.version)
 
-    def _adopt(self, other_worlds: Optional[OtherWorlds]) -> Optional[Adopted]:
+    def _report_stale(self, newest_saved: VersionRef) -> None:
+        """Say which of this job's versions are of another timeline than ``newest_saved``
+        (collective): they are not restored, and this job's saves replace them."""
+        self._engine.wait_idle()
+        stale = sorted(set().union(*self.gather(self._engine.versions_off(newest_saved.timeline))))
+        if stale:
+            job_info("not restoring this job's version(s) %s: they are of another run than the save dir's newest "
+                     "checkpoint (job %s's version %d), stale memory of an earlier run of the same save dir; this "
+                     "job's next saves replace them", stale, newest_saved.job, newest_saved.version)
+
+    def _adopt(self, other_worlds: Optional[OtherWorlds], timeline: Optional[str]) -> Optional[Adopted]:
         """The version of another world's job from this job's origin (collective), adopted
         (:mod:`ftmem._engine.elastic`) where ``other_worlds`` says the adapter can load it; None
-        if there is none; else LayoutMismatch saying why not."""
+        if there is none; else LayoutMismatch saying why not. With ``timeline``, only a version of it."""
         identity = self._engine.identity
         others = self._first_problem(versions_of_other_jobs(identity))
         if others is None:
@@ -317,7 +335,7 @@ class AdapterRuntime:
                                                       "memory only onto the layout a checkpoint was saved with"))
         self._engine.wait_idle()
         try:
-            return adopt(identity, self._engine.job_group, self.format.name, other_worlds)
+            return adopt(identity, self._engine.job_group, self.format.name, other_worlds, timeline)
         except LayoutMismatch as e:
             raise LayoutMismatch(other_worlds_refused(identity, others, f"ftmem cannot resume from them: {e}")) from e
 

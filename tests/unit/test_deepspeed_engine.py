@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from ftmem.adapter import apply_map_location
+from ftmem.adapter import VersionRef, apply_map_location
 from ftmem_deepspeed.loads import file_key
-from ftmem_deepspeed.stub import is_stub, read_stub, write_stub
+from ftmem_deepspeed.stub import is_stub, read_stub, version_of, write_stub
 from ftmem_guard import FtmemStubFile
 
 
@@ -26,12 +26,16 @@ def test_stub_files_are_told_apart_from_real_checkpoints_and_say_what_they_are(t
     real.parent.mkdir()
     torch.save({"module": {"w": torch.ones(3)}, "param_shapes": [{"w": torch.Size([3])}]}, real)
     metadata = {"global_steps": 3, "param_shapes": [{"w": torch.Size([3])}]}
-    write_stub(str(stub), "global_step3/stub.pt", "job-a", metadata, (4, 2))
+    saved = VersionRef("job-a", 3, "0123456789abcdef.3", "0123456789abcdef")
+    write_stub(str(stub), "global_step3/stub.pt", saved, metadata, (4, 2))
     other.write_bytes(b"not a torch archive")
     assert is_stub(str(stub)) and not is_stub(str(real)) and not is_stub(str(other))
     assert not is_stub(str(tmp_path / "missing.pt"))
-    assert read_stub(str(stub)) == {"format": 2, "tag_file": "global_step3/stub.pt", "job": "job-a",
-                                    "metadata": metadata, "world": [4, 2]}
+    assert read_stub(str(stub)) == {"format": 3, "tag_file": "global_step3/stub.pt", "job": "job-a",
+                                    "metadata": metadata, "world": [4, 2],
+                                    "version": {"job": "job-a", "version": 3, "uid": "0123456789abcdef.3",
+                                                "timeline": "0123456789abcdef"}}
+    assert version_of(read_stub(str(stub))) == saved
     with pytest.raises(ValueError, match="is not an ftmem stub"):
         read_stub(str(real))
     assert file_key(str(real)) == "global_step3/real.pt"

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from harness.common import ANY, free_shm_dir, job_id, logged, new_shm_dir, run_cli
+from harness.common import ANY, free_shm_dir, job_id, logged, new_shm_dir, run_cli, run_once
 from harness.ranks import LocalJob, free_port, wait_until
 from ftmem import restored_from_disk, restored_from_memory
 from ftmem._shm import jobs
@@ -177,6 +177,34 @@ def test_an_elastic_zero1_checkpoint_resumes_as_deepspeed_s_elastic_loader_does(
     assert_same_training(outs["ftmem"], outs["reference"], world, ITERS)
 
 
+def stopped_and_relaunched(job: DSJob, before: int, after: int, load: tuple, lose=None) -> None:
+    """``job`` on ``before`` ranks stops after step STOP and is killed (then ``lose(job)``, if
+    given); the same command relaunched on ``after`` ranks loads with the flags ``load`` and
+    trains to the end."""
+    job.world = before
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(before)), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    if lose is not None:
+        lose(job)
+    job.world = after
+    assert job.run("--load", *load) == [0] * after, job.log(0)[-5000:]
+    for rank in range(after):
+        assert f"rank {rank}: resuming at step {STOP + 1}" in job.log(rank), job.log(rank)[-3000:]
+
+
+def relaunched_reference(config: str, before: int, after: int, load: tuple, root: str, env: dict) -> str:
+    """:func:`stopped_and_relaunched` on DeepSpeed's default engine, without ftmem (no dropout:
+    DeepSpeed saves no RNG state, and the old ranks' RNG does not carry over to another world);
+    the folder of its losses and final weights. Run once per session for the same arguments."""
+    def run() -> str:
+        job = DSJob(config, before, None, root, stock=True, env=env)
+        job.args += ["--dropout", "0"]
+        stopped_and_relaunched(job, before, after, load)
+        return job.out
+    return run_once(("deepspeed-relaunched", config, before, after, load), run)
+
+
 @pytest.mark.parametrize("config, ftmem, before, lost, after, load", [
     # DeepSpeed's elastic loader joins every old rank's fp32 partition and cuts it for 3 ranks
     # (with the optimizer's moments, DeepSpeed refuses another DP size: ZeRORuntimeException)
@@ -193,32 +221,26 @@ def test_a_relaunch_on_another_number_of_nodes_resumes_from_the_old_world_s_memo
     from the new world). ftmem's relaunch adopts the old world's version from memory (the
     lost node's rank rebuilt from parity), where DeepSpeed's default engine loads its
     files: the resumed training is bitwise the same. The relaunch then protects versions
-    of its own under its new EC groups, and the old job's memory is freed. (No dropout:
-    DeepSpeed saves no RNG state, and the old ranks' RNG does not carry over to another world.)"""
+    of its own under its new EC groups, and the old job's memory is freed."""
     # DeepSpeed's own Adam, built once and loaded under a lock of this test's own.
     env = {"TORCH_EXTENSIONS_DIR": torch_extensions, "FTMEM_JOB_ID": ""}
-    outs = {}
-    for name, stock in (("reference", True), ("ftmem", False)):
-        job = DSJob(config, before, shm_dir, str(tmp_path / name), ftmem=ftmem, stock=stock, env=env)
-        job.args += ["--dropout", "0"]
-        with job.start("--stop-after", str(STOP)) as run:
-            run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(before)), TIMEOUT, f"step {STOP}")
-            run.kill_all()
-        if not stock:
-            [old] = jobs.list_jobs(shm_dir)  # the id the first world derived
-            if lost is not None:
-                jobs.lose_node(shm_dir, old, lost)
-        job.world = after
-        assert job.run("--load", *load) == [0] * after, job.log(0)[-5000:]
-        for rank in range(after):
-            assert f"rank {rank}: resuming at step {STOP + 1}" in job.log(rank), job.log(rank)[-3000:]
-            if not stock:
-                rebuilt = "" if lost is None else f", its rank(s) [{lost}] rebuilt from parity"
-                assert logged(restored_from_memory(
-                    STOP + 1, rank, f"tag global_step{STOP + 1}, saved by job {old} on {before} ranks ({before} nodes "
-                                    f"of 1){rebuilt}"), job.log(rank)), job.log(rank)[-3000:]
-        outs[name] = job.out
-    assert_same_training(outs["ftmem"], outs["reference"], after, ITERS, joined=before, at=STOP + 1)
+    reference_out = relaunched_reference(config, before, after, load, str(tmp_path / "reference"), env)
+    job = DSJob(config, before, shm_dir, str(tmp_path / "ftmem"), ftmem=ftmem, env=env)
+    job.args += ["--dropout", "0"]
+    olds = []
+
+    def lose(job: DSJob) -> None:
+        olds.extend(jobs.list_jobs(shm_dir))  # the id the first world derived
+        if lost is not None:
+            jobs.lose_node(shm_dir, olds[0], lost)
+    stopped_and_relaunched(job, before, after, load, lose)
+    [old] = olds
+    for rank in range(after):
+        rebuilt = "" if lost is None else f", its rank(s) [{lost}] rebuilt from parity"
+        assert logged(restored_from_memory(
+            STOP + 1, rank, f"tag global_step{STOP + 1}, saved by job {old} on {before} ranks ({before} nodes "
+                            f"of 1){rebuilt}"), job.log(rank)), job.log(rank)[-3000:]
+    assert_same_training(job.out, reference_out, after, ITERS, joined=before, at=STOP + 1)
     status = json.loads(run_cli("status", "--json", "--shm-dir", shm_dir).stdout)
     [new] = status["jobs"]  # the old job's memory is freed
     assert new["job"] != old and [n["node"] for n in new["nodes"]] == list(range(after))
@@ -226,6 +248,41 @@ def test_a_relaunch_on_another_number_of_nodes_resumes_from_the_old_world_s_memo
     newest = ITERS - (STOP + 1) if "--module-only" in load else ITERS
     assert all(n["versions"][-1] == newest and n["protected"] == newest for n in new["nodes"]), new
     assert f"freed job {old}'s memory on nodes" in job.log(0)
+
+
+def test_a_rerun_into_the_same_save_dir_resumes_its_newest_state_never_an_earlier_run_s_memory(
+        shm_dir, tmp_path, torch_extensions):
+    """The same experiment run twice into one save dir, as a user reruns from scratch into a
+    reused output directory: 4 ranks stop after step 3 and are killed; the relaunch on 3
+    ranks (another job, its id derived) adopts their version, trains to the end and ends,
+    its memory kept (no persistent tier). Then all of it again: the second relaunch derives
+    the same id, and its memory holds the first run's versions 5 and 6, higher numbers than
+    anything the second run saved. It resumes what DeepSpeed's ``latest`` names, the second
+    run's version 4 (bitwise DeepSpeed's own resume), says which versions are stale, and
+    frees the second run's 4-rank job only once it holds a protected version of its own."""
+    config, before, after, load = "zero1-elastic.json", 4, 3, ("--no-optimizer-states",)
+    env = {"TORCH_EXTENSIONS_DIR": torch_extensions, "FTMEM_JOB_ID": ""}
+    reference_out = relaunched_reference(config, before, after, load, str(tmp_path / "reference"), env)
+    save_dir, olds = str(tmp_path / "ckpt"), []
+    for attempt in (1, 2):
+        job = DSJob(config, before, shm_dir, str(tmp_path / f"run{attempt}"), ftmem={"ec": {"k": 2, "m": 1}}, env=env)
+        job.args[job.args.index("--save-dir") + 1] = save_dir
+        job.args += ["--dropout", "0"]
+        stopped_and_relaunched(job, before, after, load, lose=lambda job: olds.append(set(jobs.list_jobs(shm_dir))))
+    first, second = olds  # the jobs in memory when each 3-rank relaunch started
+    [old], [stale] = first, second - first
+    assert second == {old, stale}  # the 4-rank job's id again, and the first relaunch's
+    status = json.loads(run_cli("status", "--json", "--shm-dir", shm_dir).stdout)
+    assert [j["job"] for j in status["jobs"]] == [stale]  # the relaunch's id: its memory now holds this run's versions
+    for rank in range(after):
+        assert logged(restored_from_memory(
+            STOP + 1, rank, f"tag global_step{STOP + 1}, saved by job {old} on {before} ranks ({before} nodes of 1)"),
+            job.log(rank)), job.log(rank)[-3000:]
+    assert (f"not restoring this job's version(s) [{ITERS - 1}, {ITERS}]: they are of another run than the save "
+            f"dir's newest checkpoint (job {old}'s version {STOP + 1})") in job.log(0), job.log(0)[-3000:]
+    assert re.search(rf"freed job {old}'s memory on nodes \[.*\]: this job adopted its version {STOP + 1} and now "
+                     rf"holds a protected version of its own", job.log(0)), job.log(0)[-3000:]
+    assert_same_training(job.out, reference_out, after, ITERS, joined=before, at=STOP + 1)
 
 
 @pytest.mark.parametrize("ftmem, message", [

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import typing
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from harness.common import flip_byte, job_id, logged
 from harness.ranks import LocalJob, wait_until
 from ftmem import LayoutMismatch, restored_from_memory
 from ftmem._shm import jobs
-from ftmem._engine.elastic import line_of_jobs
+from ftmem._engine.elastic import _Head, line_of_jobs
+from ftmem._shm.slots import VersionRef
 from ftmem._common.identity import job_root
 from ftmem._disk.persist import MANIFEST, STAGING_MARK
 from ftmem._shm.slots import RankStore
@@ -486,20 +488,29 @@ def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_
 
 def test_old_jobs_that_are_not_one_line_of_relaunches_are_refused_not_ranked_by_their_version_numbers():
     """Which old jobs a relaunch adopts from, in which order, from each job's newest version
-    and the lineage it records (the job and version its line was adopted from)."""
-    assert line_of_jobs({"A": (4, None)}) == ["A"]
-    # B adopted A's version 3, C adopted B's 5: C first, then B, then A.
-    assert line_of_jobs({"A": (4, None), "B": (5, ("A", 3)), "C": (7, ("B", 5))}) == ["C", "B", "A"]
+    and the lineage it records (the very save its line was adopted from)."""
+    def head(job: str, version: int, parent: typing.Optional[tuple[str, int]] = None, run: str = "r1") -> _Head:
+        lineage = parent and VersionRef(parent[0], parent[1], f"{parent[0]}{run}.{parent[1]}", run)
+        return _Head(version, lineage, f"{job}{run}.{version}", run)
+
+    assert line_of_jobs({"A": head("A", 4)}) == ["A"]
+    # B adopted A's version 3 (A's newest), C adopted B's 5: C first, then B, then A.
+    assert line_of_jobs({"A": head("A", 3), "B": head("B", 5, ("A", 3)), "C": head("C", 7, ("B", 5))}) == ["C", "B", "A"]
     # The job a lineage names may be gone: the line ends with the oldest held.
-    assert line_of_jobs({"B": (5, ("A", 3)), "C": (6, ("B", 5))}) == ["C", "B"]
+    assert line_of_jobs({"B": head("B", 5, ("A", 3)), "C": head("C", 6, ("B", 5))}) == ["C", "B"]
     # B fell back to an older disk checkpoint and started a line of its own: A's higher
     # version number does not make A the one this relaunch continues, nor the other way.
     with pytest.raises(LayoutMismatch, match=r"several jobs is held \(A \(newest version 10\), B \(newest version 7\)\), "
                                              r"and they are not one line of relaunches"):
-        line_of_jobs({"A": (10, None), "B": (7, None)})
+        line_of_jobs({"A": head("A", 10), "B": head("B", 7)})
     # Two relaunches that both adopted from A.
     with pytest.raises(LayoutMismatch, match=r"B \(newest version 5, adopted from job A\)"):
-        line_of_jobs({"A": (3, None), "B": (5, ("A", 3)), "D": (4, ("A", 3))})
+        line_of_jobs({"A": head("A", 3), "B": head("B", 5, ("A", 3)), "D": head("D", 4, ("A", 3))})
+    # B adopted an earlier run's save of A's version 3; A now holds another run's version 3
+    # (or went on to version 4 after B adopted): B does not descend from what A holds.
+    for a in (head("A", 3, run="r2"), head("A", 4)):
+        with pytest.raises(LayoutMismatch, match="not one line of relaunches"):
+            line_of_jobs({"A": a, "B": head("B", 5, ("A", 3))})
 
 
 def test_a_relaunch_that_cannot_rebuild_the_old_world_is_refused_and_frees_nothing(shm_dir, tmp_path):
