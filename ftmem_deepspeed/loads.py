@@ -121,17 +121,30 @@ class DeepSpeedLoads:
         return files[file_key(path)]
 
     def _files_of_every_rank(self, tag: str, path: str) -> dict:
+        """Every rank's files of the version whose stub ``path`` is. Outside a load of it, read
+        from this host's shared memory where every rank's node memory is here, with no
+        collective (a read on some ranks only: DeepSpeed's universal-checkpoint conversion on
+        rank 0); else gathered from every rank, which must all read (a bounded rendezvous first)."""
+        def of_tag(files: dict) -> dict:
+            return {key: file for key, file in files.items() if os.path.dirname(key) == tag}
+
+        loaded = self._load is not None and self._load.tag == tag
+        if not loaded:
+            saved = version_of(read_stub(path))
+            states = self.runtime.read_here(_version_of_tag(os.path.dirname(path)), saved and saved.uid)
+            if states is not None:
+                _check_tag(path, _version_of_tag(os.path.dirname(path)), states[0]["tag"])
+                return lowest_rank_first([of_tag(state["files"]) for state in states])
         everyone_joins(f"reading {path} from memory",
                        "To read an ftmem checkpoint on some ranks only, or in another process, get real files first: "
                        "`ftmem export`, or the persistent tier (\"persist\" in the \"ftmem\" config).")
-        if self._load is not None and self._load.tag == tag:
+        if loaded:
             files = self._load.files
         else:
             files = self._checked(path, self.runtime.read_version(_version_of_tag(os.path.dirname(path)))).state["files"]
-        mine = {key: file for key, file in files.items() if os.path.dirname(key) == tag}
         # A file every DP replica holds (the model states) is served as the default engine
         # writes it: from the lowest rank.
-        return lowest_rank_first(self.runtime.gather(mine))
+        return lowest_rank_first(self.runtime.gather(of_tag(files)))
 
     def end(self) -> None:
         """Forget what the last load resumed from and what was served by path (see
@@ -195,11 +208,8 @@ class DeepSpeedLoads:
     def _checked(path: str, restored: Restored) -> Restored:
         """``restored``, the version whose stub ``path`` is, unless a later save of the same
         global step replaced it, or it is another run's save of that step."""
-        tag, version = _tag_of(path), restored.version
-        if restored.state["tag"] != tag:
-            raise FtmemError(f"{path} is a stub of version {version} (tag {tag!r}), but memory's version {version} is "
-                             f"tag {restored.state['tag']!r}: a later save of the same global step replaced it. Load "
-                             f"tag {restored.state['tag']!r}, or a checkpoint on disk.")
+        version = restored.version
+        _check_tag(path, version, restored.state["tag"])
         saved = version_of(read_stub(path))
         if saved is not None and saved.uid != restored.uid:
             raise FtmemError(f"{path} is a stub of job {saved.job}'s version {version}, but memory's version {version} "
@@ -225,6 +235,16 @@ class DeepSpeedLoads:
         dist.broadcast_object_list(shared, src=source, group=self.runtime.dp_group)
         for key, state_dict in shared[0].items():
             files.setdefault(key, state_dict)
+
+
+def _check_tag(path: str, version: int, held_tag: str) -> None:
+    """Memory's version ``version`` (of tag ``held_tag``) is the one whose stub ``path`` is,
+    unless a later save of the same global step replaced it."""
+    tag = _tag_of(path)
+    if held_tag != tag:
+        raise FtmemError(f"{path} is a stub of version {version} (tag {tag!r}), but memory's version {version} is "
+                         f"tag {held_tag!r}: a later save of the same global step replaced it. Load tag {held_tag!r}, "
+                         f"or a checkpoint on disk.")
 
 
 def _tag_of(path: str) -> str:

@@ -3,7 +3,7 @@ checkpoint layout, on demand — e.g. before a planned shutdown, or to keep a ve
 that is about to be overwritten.
 
 Export reads shared memory only, so it works whether the training processes are
-alive, killed or gone: each rank's data comes from its node's slots (checked against
+alive, killed or gone (:mod:`ftmem._shm.held`): each rank's data comes from its node's slots (checked against
 their checksums), and the DP-sharded replicated state is joined back from the
 replicas' slices. It reads one rank at a time, so it holds about one rank's state in
 memory. Every node directory of the job must be visible in the shared-memory
@@ -19,8 +19,6 @@ already holds the checkpoint directory or a pointer file it would replace.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
 import shutil
 import sys
@@ -29,16 +27,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, TextIO
 
-import torch
-
-from ftmem._shm import integrity
-from ftmem._shm import jobs
-from ftmem._state.copier import joined_stream, read_from_slot
+from ftmem._shm.held import HeldJob
 from ftmem.errors import CorruptShard, FtmemError
 from ftmem._disk.format import FrameworkFormat, format_named
 from ftmem._disk.persist import make_staging, publish
 from ftmem._state.serialize import join_state
-from ftmem._shm.slots import CommitRecord, RankStore
+from ftmem._shm.slots import CommitRecord
 
 
 @dataclass
@@ -87,52 +81,12 @@ class Progress:
             self.out.write("\n")
 
 
-class _HeldJob:
-    """A job's ranks as its node directories hold them."""
-
-    def __init__(self, shm_dir: str, job: str):
-        nodes = jobs.node_dirs(shm_dir, job)
-        if not nodes:
-            present = ", ".join(jobs.list_jobs(shm_dir)) or "none"
-            raise FtmemError(f"no job {job!r} in {shm_dir} (jobs there: {present}). Name the job with --job, and "
-                             f"the shared-memory directory it runs in with --shm-dir.")
-        self.job = job
-        self.stores = {rank: RankStore(path, rank) for _, path in nodes for rank in jobs.node_ranks(path)}
-        if not self.stores:
-            raise FtmemError(f"job {job}'s node directories in {shm_dir} name no ranks: no training process of it "
-                             f"has started there. Nothing to export.")
-
-    def choose(self, version: Optional[int]) -> tuple[int, CommitRecord]:
-        """The version to export (the newest every rank holds, unless named) and rank 0's record of it."""
-        held = {rank: set(store.committed()) for rank, store in self.stores.items()}
-        common = set.intersection(*held.values())
-        if version is None and not common:
-            raise FtmemError(f"job {self.job}: no version is held by every rank "
-                             f"({self._describe(held)}); nothing complete to export.")
-        version = max(common) if version is None else version
-        if version not in common:
-            raise FtmemError(f"job {self.job} does not hold version {version} on every rank ({self._describe(held)}); "
-                             f"versions held by all: {sorted(common) or 'none'}.")
-        record = self.stores[min(self.stores)].read_commit(version)
-        world = sorted(rank for group in record.layout.dp_groups for rank in group)
-        missing = sorted(set(world) - set(self.stores))
-        if missing:
-            raise FtmemError(f"job {self.job}: ranks {missing} have no node directory here (their node's memory is "
-                             f"gone or elsewhere). Export reads every rank from shared memory; restart the job to "
-                             f"rebuild lost nodes from parity, or use its newest disk checkpoint.")
-        return version, record
-
-    @staticmethod
-    def _describe(held: dict[int, set]) -> str:
-        return "; ".join(f"rank {r}: {sorted(v) or 'none'}" for r, v in sorted(held.items()))
-
-
 def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
            progress_to: TextIO = sys.stderr, force: bool = False) -> Exported:
     """Write ``version`` of ``job`` (default: the newest every rank holds) into ``out``
     in the framework's layout; returns where, what and how fast. ``force``: replace the
     checkpoint directory and pointer files ``out`` already holds (refused otherwise)."""
-    held = _HeldJob(shm_dir, job)
+    held = HeldJob(shm_dir, job)
     version, first = held.choose(version)
     writer = _format_of(first)
     if os.path.exists(out) and not os.path.isdir(out):
@@ -141,35 +95,17 @@ def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
     if not force:
         _refuse_to_replace(out, writer.checkpoint_name(version, join_state(first.skeleton, _NoTensors())), writer,
                            version)
-    records: dict[int, CommitRecord] = {}
-    for rank, store in held.stores.items():
-        try:
-            records[rank] = integrity.verify(store, version)
-        except CorruptShard as e:
-            raise FtmemError(f"job {job} version {version} cannot be exported: {e} Export an older version "
-                             f"(--version), or restart the job to rebuild it from parity.") from e
+    try:
+        records = held.verified(version)
+    except CorruptShard as e:
+        raise FtmemError(f"job {job} version {version} cannot be exported: {e} Export an older version "
+                         f"(--version), or restart the job to rebuild it from parity.") from e
     progress = Progress(sum(r.plan.nbytes for r in records.values()), progress_to)
 
     def read_state(rank: int) -> Any:
-        record = records[rank]
-        group = record.layout.dp_group_of(rank) if record.plan.shard is not None else (rank,)
-        with contextlib.ExitStack() as mapped:
-            slots = {}
-            for r in group:
-                mm = mapped.enter_context(held.stores[r].map_slot(records[r].slot, writable=True))  # only read;
-                slots[r] = torch.frombuffer(mm, dtype=torch.uint8)  # writable spares a copy
-            replicas = [(slots[r], records[r].plan) for r in group]
-            tensors = read_from_slot(slots[rank], record.plan, torch.device("cpu"),
-                                     functools.partial(joined_stream, replicas))
-            del slots, replicas  # the maps close with no view left
-        # A slot's commit marker goes before it is overwritten: if every marker is still
-        # there, what was read is the version.
-        overwritten = [r for r in group if held.stores[r].committed().get(version) != records[r].slot]
-        if overwritten:
-            raise FtmemError(f"job {job} overwrote version {version} of ranks {overwritten} while it was being "
-                             f"exported (the job keeps saving). Export a newer version, or stop the job first.")
-        progress.add(read=record.plan.nbytes)
-        return join_state(record.skeleton, tensors)
+        state = held.read_state(records, rank)
+        progress.add(read=records[rank].plan.nbytes)
+        return state
 
     staging = f".export-v{version}.tmp"
     shutil.rmtree(os.path.join(out, staging), ignore_errors=True)  # an export that was interrupted

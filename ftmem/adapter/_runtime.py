@@ -46,6 +46,7 @@ from ftmem._common.identity import check_node_layout, world_in_words
 from ftmem._disk.persist import Flusher, check_writable
 from ftmem._common.collective import first_problem, gather
 from ftmem._engine.restore import Chosen, Restored, RestoreTimes
+from ftmem._shm.held import HeldJob, NotAllHere
 from ftmem._shm.slots import VersionRef
 
 class ResumeSource(enum.Enum):
@@ -345,6 +346,23 @@ class AdapterRuntime:
         if self._adopted is not None and self._engine.protected is not None:
             self._adopted.free(self._engine.identity.shm_dir)
             self._adopted = None
+
+    def read_here(self, version: int, uid: Optional[str] = None) -> Optional[list]:
+        """Every rank's state of ``version``, by rank, read from this host's shared memory with
+        no collective (:mod:`ftmem._shm.held`), for a read that some ranks make alone; with
+        ``uid``, only that save of it (FtmemError for another run's). None where some rank's
+        node memory is not on this host: only a collective can read it then."""
+        self._engine.wait_idle()  # this rank's save in flight is committed, by every rank
+        held = HeldJob(self.identity.shm_dir, self.identity.job)
+        try:
+            version, record = held.choose(version)
+        except NotAllHere:
+            return None
+        if uid is not None and record.uid != uid:
+            raise FtmemError(f"memory's version {version} of job {self.identity.job} is another run's save of it "
+                             f"than the one asked for (stale memory of an earlier run of the same save dir).")
+        records = held.verified(version)
+        return [held.read_state(records, rank) for rank in sorted(records)]
 
     def read_version(self, version: int) -> Restored:
         """``version`` as memory holds it (collective), for reading its files; the job does not

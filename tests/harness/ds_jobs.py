@@ -60,15 +60,18 @@ def _reference(config, world, root, env, extra):
 
 
 
-def stock_script(root, name: str, config: dict, env: dict, world: int, job: str, iters: int, *extra) -> LocalJob:
-    """tests/harness/stock_deepspeed_train.py (which never mentions ftmem) with ``config``, in
-    ``root/name``; saves into ``root/name/ckpt``."""
-    (root / f"{name}.json").write_text(json.dumps(config))
+def stock_script(root, name: str, config, env: dict, world: int, job: str, iters: int, *extra) -> LocalJob:
+    """tests/harness/stock_deepspeed_train.py (which never mentions ftmem) with ``config`` (a
+    list: each rank's own), in ``root/name``; saves into ``root/name/ckpt``."""
+    root.mkdir(parents=True, exist_ok=True)
+    configs = config if isinstance(config, list) else [config] * world
+    for rank, each in enumerate(configs):
+        (root / f"{name}.{rank}.json").write_text(json.dumps(each))
     out = root / name
     out.mkdir(exist_ok=True)
-    return LocalJob("tests.harness.stock_deepspeed_train", ["--config", str(root / f"{name}.json"), "--save-dir",
-                                                   str(out / "ckpt"), "--iters", str(iters), "--out", str(out),
-                                                   *extra], world, job, str(out), env=env)
+    return LocalJob("tests.harness.stock_deepspeed_train", ["--config", str(root / f"{name}.{{rank}}.json"),
+                                                            "--save-dir", str(out / "ckpt"), "--iters", str(iters),
+                                                            "--out", str(out), *extra], world, job, str(out), env=env)
 
 
 def config_pair(name: str, shm_dir: str, **ftmem) -> tuple[dict, dict]:

@@ -4,7 +4,7 @@ engine, which only the JSON config names (tests/integration/deepspeed/test_deeps
     python -m tests.harness.stock_deepspeed_train --config CONFIG.json --save-dir DIR --iters N --out DIR
         [--save-16bit DIR] [--also-save-to DIR]
         [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-all|torch-load-in-worker|
-                     torch-load-weights-only]
+                     torch-load-weights-only|ds_to_universal-on-rank-0]
         [--read-back-tag TAG] [--reload] [--client-args]
 
 Each step's loss (as float hex) and the final weights go to ``--out``; it saves after
@@ -15,7 +15,10 @@ every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the 
 to ``--out``: DeepSpeed's zero_to_fp32 in-process (on every rank, or on rank 0 only),
 or ``torch.load`` of the rank's model-states file by path (its module, or every tensor
 in it), in the rank itself or in a forked worker process (as DeepSpeed's ds_to_universal
-reads files), or with torch.load's default ``weights_only``. ``--client-args`` saves the
+reads files), or with torch.load's default ``weights_only``; or DeepSpeed's universal-checkpoint
+conversion on rank 0 alone, in-process, as DeepSpeed's own tests run it (into ``<tag>_universal``
+beside the checkpoint). A ``{rank}`` in ``--config`` is the rank's number (``RANK``): a rank
+may run with its own config. ``--client-args`` saves the
 script's args (an ``argparse.Namespace``, as many scripts do) in the client state. ``--read-back-tag`` reads that tag's files instead of the newest's.
 ``--reload`` takes one more step past the newest checkpoint and loads it again mid-run,
 without the optimizer's states and then with them (:func:`reload`).
@@ -25,6 +28,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -32,6 +36,8 @@ import deepspeed.ops
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a JIT-built op training does not use
 import deepspeed  # noqa: E402
+
+from deepspeed.checkpoint import UNIVERSAL_CHECKPOINT_INFO  # noqa: E402
 
 from examples.process_end import end_process  # noqa: E402
 
@@ -46,12 +52,12 @@ def main() -> None:
     p.add_argument("--also-save-to", default=None)
     p.add_argument("--read-back", default=None,
                    choices=("zero_to_fp32", "zero_to_fp32-on-rank-0", "torch-load", "torch-load-all",
-                            "torch-load-in-worker", "torch-load-weights-only"))
+                            "torch-load-in-worker", "torch-load-weights-only", "ds_to_universal-on-rank-0"))
     p.add_argument("--read-back-tag", default=None)
     p.add_argument("--reload", action="store_true")
     p.add_argument("--client-args", action="store_true")
     args = p.parse_args()
-    with open(args.config) as f:
+    with open(args.config.format(rank=os.environ["RANK"])) as f:
         config = json.load(f)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
@@ -74,6 +80,8 @@ def main() -> None:
             losses.write(json.dumps({"it": step, "loss": loss.item().hex()}) + "\n")
             losses.flush()
             client_state = {"next_step": step + 1, **({"args": args} if args.client_args else {})}
+            if args.read_back == "ds_to_universal-on-rank-0":
+                client_state[UNIVERSAL_CHECKPOINT_INFO] = {}  # the conversion needs it, as DeepSpeed's tests save it
             engine.save_checkpoint(args.save_dir, client_state=client_state)
     torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()},
                os.path.join(args.out, f"rank{rank}.final.pt"))
@@ -144,6 +152,20 @@ def read_back(how: str, engine, save_dir: str, tag, out: str) -> None:
         else:
             got = torch.load(path, map_location="cpu", weights_only=False)
             got = dict(tensors_in(got)) if how == "torch-load-all" else got["module"]
+    elif how == "ds_to_universal-on-rank-0":
+        if tag is None:
+            with open(os.path.join(save_dir, "latest")) as f:
+                tag = f.read().strip()
+        if rank == 0:
+            from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
+
+            convert_to_universal(SimpleNamespace(
+                input_folder=os.path.join(save_dir, tag), output_folder=os.path.join(save_dir, f"{tag}_universal"),
+                num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                inject_missing_state=False))
+            print(f"rank {rank}: converted {tag} to a universal checkpoint", flush=True)
+        torch.distributed.barrier()
+        return
     elif how == "zero_to_fp32" or rank == 0:
         got = get_fp32_state_dict_from_zero_checkpoint(save_dir)
     else:

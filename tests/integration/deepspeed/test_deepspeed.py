@@ -446,15 +446,72 @@ def test_torch_load_with_weights_only_refuses_a_served_stub_as_it_refuses_the_fi
             "argparse.Namespace was not an allowed global" in ftmem_refusal.group(1)
 
 
-def test_zero_to_fp32_on_one_rank_is_refused_with_the_reason_not_left_waiting(shm_dir, tmp_path):
-    """Reading stubs is a collective (the files are other ranks'). zero_to_fp32 on rank 0
-    alone waits a bounded time for the others, then fails with the reason and what to
-    do instead; rank 1, which never reads, ends as usual."""
-    config, _ = config_pair("zero3.json", shm_dir, ec={"k": 1, "m": 1})
-    bound = 5
-    run = stock_script(tmp_path, "ftmem", config, dict(ENV, FTMEM_COLLECTIVE_TIMEOUT_S=str(bound)), 2, job_id(), 2,
-                       "--read-back", "zero_to_fp32-on-rank-0")
-    assert run.wait(TIMEOUT) == [1, 0], run.log(0)[-5000:]
+@pytest.mark.parametrize("config, how", [("zero3.json", "zero_to_fp32-on-rank-0"),
+                                         ("zero1.json", "ds_to_universal-on-rank-0")])
+def test_checkpoint_files_read_on_rank_0_alone_are_served_from_this_host_s_memory(config, how, shm_dir, tmp_path):
+    """zero_to_fp32, and DeepSpeed's universal-checkpoint conversion in-process (as DeepSpeed's
+    own test_universal_checkpoint.py runs it), read every rank's files on rank 0 while rank 1
+    waits elsewhere (in a barrier, or the job's end). Every rank's node memory is on this host:
+    rank 0 reads it there, with no collective. What it gets equals, bitwise, what it gets
+    from the default engine's files; the conversion copies the model-states files as files
+    (``shutil.copy2``), so its copies are the stubs'."""
+    ftmem, stock = config_pair(config, shm_dir, ec={"k": 1, "m": 1})
+    for name, cfg, env in (("reference", stock, STOCK_ENV), ("ftmem", ftmem, dict(ENV, FTMEM_COLLECTIVE_TIMEOUT_S="5"))):
+        run = stock_script(tmp_path, name, cfg, env, 2, job_id(), 2, "--read-back", how)
+        assert run.wait(TIMEOUT) == [0, 0], run.log(0)[-5000:]
+    if how == "zero_to_fp32-on-rank-0":
+        got, want = (torch.load(tmp_path / name / "rank0.read-back.pt") for name in ("ftmem", "reference"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        return
+    assert "rank 0: converted global_step2 to a universal checkpoint" in run.log(0)
+    got, want = (tmp_path / name / "ckpt" / "global_step2_universal" for name in ("ftmem", "reference"))
+    files = sorted(str(f.relative_to(want)) for f in want.rglob("*") if f.is_file())
+    assert files and files == sorted(str(f.relative_to(got)) for f in got.rglob("*") if f.is_file())
+    copied = [name for name in files if name.endswith("model_states.pt")]
+    assert copied, files
+    for name in files:
+        if name in copied:
+            original = tmp_path / "ftmem" / "ckpt" / "global_step2" / name
+            assert is_stub(str(original)) and (got / name).read_bytes() == original.read_bytes(), name
+            continue
+        mine, theirs = (torch.load(d / name, weights_only=False) for d in (got, want))
+        assert_same_values(mine, theirs, name)  # what the conversion read from memory is what the files held
+
+
+def assert_same_values(got, want, where: str) -> None:
+    """``got`` equals ``want``: tensors bitwise, containers item by item, objects attribute by
+    attribute (DeepSpeed's loss scaler has no ``==``), anything else by ``==``."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_same_values(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (mine, theirs) in enumerate(zip(got, want)):
+            assert_same_values(mine, theirs, f"{where}.{i}")
+    elif hasattr(want, "__dict__"):
+        assert type(got) is type(want), where
+        assert_same_values(vars(got), vars(want), where)
+    else:
+        assert got == want, where
+
+
+def test_checkpoint_files_read_on_rank_0_alone_wait_a_bounded_time_where_a_rank_s_memory_is_on_another_host(
+        shm_dir, tmp_path):
+    """As above, with rank 1 on another host: its node memory in a shared-memory directory of
+    its own, which rank 0 cannot see. Only every rank together can read the files then:
+    zero_to_fp32 on rank 0 alone waits a bounded time for the others, then fails with the
+    reason and what to do instead; rank 1, which never reads, ends as usual."""
+    elsewhere, bound = new_shm_dir(), 5
+    try:
+        configs = [config_pair("zero3.json", d, ec={"k": 1, "m": 1})[0] for d in (shm_dir, elsewhere)]
+        run = stock_script(tmp_path, "ftmem", configs, dict(ENV, FTMEM_COLLECTIVE_TIMEOUT_S=str(bound)), 2, job_id(),
+                           2, "--read-back", "zero_to_fp32-on-rank-0")
+        assert run.wait(TIMEOUT) == [1, 0], run.log(0)[-5000:]
+    finally:
+        free_shm_dir(elsewhere)
     assert (f"CollectiveNotJoined: reading {tmp_path}/ftmem/ckpt/global_step2/" in run.log(0)), run.log(0)[-3000:]
     assert (f"is a collective: every rank of the job must make it at the same point, as load_checkpoint does, but "
             f"ranks [1] did not within {bound} s (FTMEM_COLLECTIVE_TIMEOUT_S sets the wait). To read an ftmem "
