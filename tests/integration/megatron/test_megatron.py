@@ -111,6 +111,40 @@ def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatr
     assert old not in jobs.list_jobs(shm_dir)
 
 
+def test_the_first_command_run_again_resumes_the_newest_state_its_relaunch_saved(shm_dir, tmp_path):
+    """The rerun sequence of DeepSpeed's test_a_rerun_into_the_same_save_dir_... with Megatron.
+    TP 2 x DP 2 on 4 virtual nodes stops after iteration 3 and is killed; the relaunch on 2
+    ranks (another job, its id derived) adopts that version, stops after iteration 5 and is
+    killed too. The first command run again (on 4 ranks, its first job's id) cannot start
+    over in place of the newest state (ftmem needs --load with in-memory checkpoints): it
+    resumes the relaunch's iteration 5 from memory, although the relaunch's line descends from
+    this very job, and frees the relaunch's memory only once it protected a version of its own."""
+    def job_on(world: int, ec: tuple[str, str]) -> MegatronJob:
+        job = MegatronJob(world, ["--tensor-model-parallel-size", "2"],
+                          ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", ec[0], "--ftmem-ec-m", ec[1]], shm_dir,
+                          str(tmp_path))
+        job.job = ""  # derived from the save dir and the world
+        job.logs = str(tmp_path / f"logs-{world}")  # one save dir, a log of each world's own
+        return job
+
+    four, two = job_on(4, ("3", "1")), job_on(2, ("1", "1"))
+    stopped_after(four, 4)
+    [first] = jobs.list_jobs(shm_dir)
+    with two.start("--stop-after", str(STOP + 2)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(2)), TIMEOUT, f"iteration {STOP + 2}")
+        run.kill_all()
+    [relaunch] = jobs.list_jobs(shm_dir)  # it freed the first job once it protected a version of its own
+    four.logs += "-again"
+    four.run(str(tmp_path / "again.json"))
+    for rank in range(4):
+        assert logged(restored_from_memory(STOP + 2, rank, f"saved by job {relaunch} on 2 ranks (2 nodes of 1)"),
+                      four.log(rank)), four.log(rank)[-3000:]
+    assert sorted(read_json(str(tmp_path / "again.json"))["losses"]) == [str(it) for it in range(STOP + 3, ITERS + 1)]
+    assert re.search(rf"freed job {relaunch}'s memory on nodes \[.*\]: this job adopted its version {STOP + 2} and "
+                     rf"now holds a protected version of its own", four.log(0)), four.log(0)[-3000:]
+    assert jobs.list_jobs(shm_dir) in ([], [first])  # the end frees the first job's memory once Megatron saved
+
+
 def test_a_relaunch_at_another_dp_size_with_the_distributed_optimizer_joins_its_split_state_as_megatron_loads_it(
         shm_dir, tmp_path):
     """DP 4 -> DP 2 with the distributed optimizer, whose state each DP rank holds a range
