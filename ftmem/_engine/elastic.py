@@ -156,36 +156,44 @@ def adopt(identity: RankIdentity, group: Optional[dist.ProcessGroup], format_nam
     raise NotRecoverableFromMemory(" ".join(problems))
 
 
-def free_ancestors(identity: RankIdentity, group: Optional[dist.ProcessGroup], lineage: Optional[VersionRef],
-                   version: int) -> None:
+def ancestors(identity: RankIdentity, group: Optional[dist.ProcessGroup], lineage: Optional[VersionRef],
+              version: int) -> dict[str, tuple[list[str], str]]:
     """This job resumed its own ``version``, of a line adopted from ``lineage`` (None: a line
-    of its own, and nothing to do): free that job, and the jobs it descends from, where the
-    origin's memory still holds them with nothing else (collective where there is a lineage,
-    which is the version's, the same on every rank; each old node is freed by the lowest rank
-    that sees it). A relaunch that adopted a version and was killed before it freed them
-    (:meth:`Adopted.free`), restarted in its own world, would otherwise leave them held until
-    ``ftmem clean``, though nothing would read them again: a restart of this job restores its
-    own memory, never theirs, and a relaunch on another world adopts from the newest job of
-    the line. A job whose newest version is not the very save the line descends from (an
-    earlier or later run of the same command saved that number again) is kept, and the log
-    says how to free it. Other jobs of the origin are left alone."""
+    of its own, and nothing to do): that job, and the jobs it descends from, where the
+    origin's memory still holds them with nothing else, each with the node directories this
+    rank frees and why (collective where there is a lineage, which is the version's, the same
+    on every rank; each old node is freed by the lowest rank that sees it: :func:`free_jobs`,
+    once this job holds a protected version of its own). A relaunch that adopted a version
+    and was killed before it freed them (:meth:`Adopted.free`), restarted in its own world,
+    would otherwise leave them held until ``ftmem clean``, though nothing would read them
+    again: a restart of this job restores its own memory, never theirs, and a relaunch on
+    another world adopts from the newest job of the line. A job whose newest version is not
+    the very save the line descends from (an earlier or later run of the same command saved
+    that number again) is kept, and the log says how to free it. Other jobs of the origin are
+    left alone."""
     if lineage is None:
-        return
+        return {}
     rank = dist.get_rank() if group is not None else 0
     here, seen, heads = _other_jobs(identity, group)
-    ref, freed = lineage, set()
-    while ref is not None and ref.job in heads and ref.job not in freed:
+    ref, found = lineage, {}
+    while ref is not None and ref.job in heads and ref.job not in found:
         head = heads[ref.job]
         if head.uid != ref.uid:
             job_info("kept job %s's memory: its newest version %d is not the save of version %d that this job's "
                      "line descends from (another run of the same save dir saved it); `ftmem clean --job %s "
                      "--shm-dir %s` frees it", ref.job, head.version, ref.version, ref.job, identity.shm_dir)
-            return
-        freed.add(ref.job)
-        _free_nodes(identity.shm_dir, ref.job, sorted(_read_by(rank, ref.job, seen, here).values()),
-                    f"this job's line descends from its version {ref.version}, and this job resumed its own "
-                    f"version {version}")
+            break
+        found[ref.job] = (sorted(_read_by(rank, ref.job, seen, here).values()),
+                          f"this job's line descends from its version {ref.version}, this job resumed its own "
+                          f"version {version} and now holds a protected version of its own")
         ref = head.lineage
+    return found
+
+
+def free_jobs(shm_dir: str, found: dict[str, tuple[list[str], str]]) -> None:
+    """Free what :func:`ancestors` found (no collective: each rank its own node directories)."""
+    for job, (paths, why) in found.items():
+        _free_nodes(shm_dir, job, paths, why)
 
 
 @dataclass(frozen=True)

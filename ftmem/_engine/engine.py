@@ -137,6 +137,7 @@ class SnapshotEngine:
         self._inflight: Optional[SaveHandle] = None
         self._planner = Planner()
         self.protected: Optional[int] = None  # the newest version saved and protected, or resumed from
+        self.protected_saved: Optional[int] = None  # the newest version this run saved and protected
         self.lineage: Optional[VersionRef] = None  # recorded in each version (CommitRecord.lineage)
         self._closed = False
 
@@ -201,7 +202,7 @@ class SnapshotEngine:
         if self._inflight is not None:
             handle, self._inflight = self._inflight, None
             handle.wait_committed()
-            self.protected = handle.version
+            self.protected = self.protected_saved = handle.version
 
     wait_protected = wait
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ftmem._common import testhooks
 from ftmem.config import FtmemConfig
-from ftmem._engine.elastic import Adopted, OtherWorlds, adopt, free_ancestors
+from ftmem._engine.elastic import Adopted, OtherWorlds, adopt, ancestors, free_jobs
 from ftmem._engine.engine import SnapshotEngine
 from ftmem.errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from ftmem._disk.format import FrameworkFormat
@@ -131,6 +131,9 @@ class AdapterRuntime:
         self._crashed = self._finished = False
         self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (plan_resume's named)
         self._adopted: Optional[Adopted] = None  # another world's version this job resumed from, until freed
+        # The old jobs this job's line descends from, which a resume of its own version frees
+        # once it holds a protected version of its own (ftmem._engine.elastic.ancestors).
+        self._ancestors: dict[str, tuple[list[str], str]] = {}
         self.last_restore: Optional[RestoreTimes] = None  # where the last load from memory spent its time
         _close_at_exit(self)
 
@@ -168,7 +171,7 @@ class AdapterRuntime:
         self._handle = self._engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
                                         persist=persist)
         self._kept_newer = []  # the save dropped every version >= its own
-        self._free_adopted_once_protected()  # the save waited for the last one
+        self._free_superseded_once_protected()  # the save waited for the last one
         return self._handle
 
     def wait_reusable(self) -> None:
@@ -300,7 +303,7 @@ class AdapterRuntime:
             self.format.restore_rng(rng)
         if adopted is not None:
             # Its memory is the version's only copy until this job protects one of its own
-            # (:meth:`_free_adopted_once_protected`); the next versions carry on its line.
+            # (:meth:`_free_superseded_once_protected`); the next versions carry on its line.
             self._adopted, self.last_restore = adopted, None
             self._engine.resumed_at(None, adopted.ref, adopted.timeline)
             announce(restored_from_memory(adopted.version, self.rank, ", ".join(filter(None, (detail, str(adopted))))))
@@ -311,7 +314,7 @@ class AdapterRuntime:
         self._engine.resumed_at(restored.version, restored.lineage, restored.timeline)
         self.last_restore = restored.times
         announce(restored_from_memory(restored.version, self.rank, detail, restored.rebuilt))
-        free_ancestors(self._engine.identity, self._engine.job_group, restored.lineage, restored.version)
+        self._ancestors = ancestors(self._engine.identity, self._engine.job_group, restored.lineage, restored.version)
 
     def _report_stale(self, newest_saved: VersionRef) -> None:
         """Say which of this job's versions are of another timeline than ``newest_saved``
@@ -340,12 +343,18 @@ class AdapterRuntime:
         except LayoutMismatch as e:
             raise LayoutMismatch(other_worlds_refused(identity, others, f"ftmem cannot resume from them: {e}")) from e
 
-    def _free_adopted_once_protected(self) -> None:
-        """Free the adopted old job's memory, the only copy of the version this job resumed
-        from, once this job holds a protected version of its own."""
-        if self._adopted is not None and self._engine.protected is not None:
+    def _free_superseded_once_protected(self) -> None:
+        """Free the old jobs this job's resume superseded once this job holds a protected
+        version it saved itself (its framework loaded the resumed state and trained on): the
+        adopted one, whose memory is the only copy of the version this job resumed from, and
+        those its own resumed version's line descends from."""
+        if self._engine.protected_saved is None:
+            return
+        if self._adopted is not None:
             self._adopted.free(self._engine.identity.shm_dir)
             self._adopted = None
+        free_jobs(self._engine.identity.shm_dir, self._ancestors)
+        self._ancestors = {}
 
     def read_here(self, version: int, uid: Optional[str] = None) -> Optional[list]:
         """Every rank's state of ``version``, by rank, read from this host's shared memory with
@@ -452,7 +461,7 @@ class AdapterRuntime:
         if problem is None:
             try:
                 self._engine.wait_flushed()
-                self._free_adopted_once_protected()
+                self._free_superseded_once_protected()
             except Exception as e:
                 problem = str(e)
         # Every rank ended cleanly, or none does anything collective beyond this vote.
