@@ -7,6 +7,7 @@ path, outside a load, are served from any version memory holds.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from dataclasses import dataclass
@@ -93,10 +94,10 @@ class DeepSpeedLoads:
         self._refuse_another_job_s(path)
         if self._load is None:  # a load of a tag the script named: this is its first file
             self._load = self._resume_named(path)
-        files, key = self._load.files, file_key(path)
+        files, key = self._load.files, _key_of(path)
         if files is not None and key in files:
             return files[key]
-        if files is not None and self._load.tag == _tag_of(path) and not _is_optimizer_file(key):
+        if files is not None and self._load.tag == os.path.dirname(key) and not _is_optimizer_file(key):
             # Another rank's model states of the restored version: DeepSpeed reads only their
             # tensor-free entries, and not on every rank (the pipeline engine's check).
             return read_stub(path)["metadata"]
@@ -105,20 +106,21 @@ class DeepSpeedLoads:
         return self.serve(path)
 
     def serve(self, path: str) -> Any:
-        """What the default engine's file at ``path`` (a stub in the save dir) would hold,
-        from the version its tag names: the restored one, or any other that memory holds.
-        The file may be another rank's, so the first read of a version is a collective
-        (every rank's files of it are gathered; see :func:`ftmem.adapter.everyone_joins`)."""
+        """What the default engine's file that the stub at ``path`` stands for would hold (a
+        copy of a stub stands for the same file), from the version its tag names: the
+        restored one, or any other that memory holds. The file may be another rank's (see
+        :meth:`_files_of_every_rank`)."""
         self._refuse_another_job_s(path)
-        tag = _tag_of(path)
+        key = _key_of(path)
+        tag = os.path.dirname(key)
         if self._served is None or self._served[0] != tag:
             self._served = None  # one version's files at a time
             self._served = (tag, self._files_of_every_rank(tag, path))
         files = self._served[1]
-        if file_key(path) not in files:
-            raise FtmemError(f"{path} is an ftmem stub, but no rank's snapshot of tag {tag!r} holds {file_key(path)} "
+        if key not in files:
+            raise FtmemError(f"{path} is an ftmem stub, but no rank's snapshot of tag {tag!r} holds {key} "
                              f"(it holds {sorted(files)}).")
-        return files[file_key(path)]
+        return files[key]
 
     def _files_of_every_rank(self, tag: str, path: str) -> dict:
         """Every rank's files of the version whose stub ``path`` is. Outside a load of it, read
@@ -130,7 +132,7 @@ class DeepSpeedLoads:
 
         loaded = self._load is not None and self._load.tag == tag
         if not loaded:
-            saved = version_of(read_stub(path))
+            saved = version_of(_stub(path))
             states = self.runtime.read_here(_version_of_tag(os.path.dirname(path)), saved and saved.uid)
             if states is not None:
                 _check_tag(path, _version_of_tag(os.path.dirname(path)), states[0]["tag"])
@@ -210,7 +212,7 @@ class DeepSpeedLoads:
         global step replaced it, or it is another run's save of that step."""
         version = restored.version
         _check_tag(path, version, restored.state["tag"])
-        saved = version_of(read_stub(path))
+        saved = version_of(_stub(path))
         if saved is not None and saved.uid != restored.uid:
             raise FtmemError(f"{path} is a stub of job {saved.job}'s version {version}, but memory's version {version} "
                              f"is another run's save of that step (stale memory of an earlier run of the same save "
@@ -219,7 +221,7 @@ class DeepSpeedLoads:
 
     def _refuse_another_job_s(self, stub: str) -> None:
         """Refuse a checkpoint whose stubs another job wrote (:meth:`ftmem.adapter.AdapterRuntime.refuse_other_job`)."""
-        info = read_stub(stub)
+        info = _stub(stub)
         then = tuple(info["world"]) if info.get("format", 1) >= 2 else None  # format 1 does not say
         adopted = self._load.resumption.adopted if self._load is not None else None
         self.runtime.refuse_other_job(f"{stub} is a stub of", info["job"], then, adopted)
@@ -240,15 +242,30 @@ class DeepSpeedLoads:
 def _check_tag(path: str, version: int, held_tag: str) -> None:
     """Memory's version ``version`` (of tag ``held_tag``) is the one whose stub ``path`` is,
     unless a later save of the same global step replaced it."""
-    tag = _tag_of(path)
+    tag = os.path.dirname(_key_of(path))
     if held_tag != tag:
         raise FtmemError(f"{path} is a stub of version {version} (tag {tag!r}), but memory's version {version} is "
                          f"tag {held_tag!r}: a later save of the same global step replaced it. Load tag {held_tag!r}, "
                          f"or a checkpoint on disk.")
 
 
-def _tag_of(path: str) -> str:
-    return os.path.basename(os.path.dirname(path))
+def _key_of(stub: str) -> str:
+    """The file a stub stands for, as ``<tag>/<file>`` (:func:`file_key` of where it was written):
+    where it lies tells nothing, since a copy of a stub (DeepSpeed's universal-checkpoint
+    conversion copies model-states files) stands for the same file."""
+    return _stub(stub)["tag_file"]
+
+
+def _stub(path: str) -> dict:
+    """A stub's info (:func:`read_stub`), read once for each version of the file: a load asks
+    about the same stub several times."""
+    status = os.stat(path)
+    return _read_stub(path, status.st_ino, status.st_mtime_ns, status.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _read_stub(path: str, inode: int, mtime_ns: int, size: int) -> dict:
+    return read_stub(path)
 
 
 def _is_optimizer_file(key: str) -> bool:

@@ -453,11 +453,17 @@ def test_checkpoint_files_read_on_rank_0_alone_are_served_from_this_host_s_memor
     own test_universal_checkpoint.py runs it), read every rank's files on rank 0 while rank 1
     waits elsewhere (in a barrier, or the job's end). Every rank's node memory is on this host:
     rank 0 reads it there, with no collective. What it gets equals, bitwise, what it gets
-    from the default engine's files; the conversion copies the model-states files as files
-    (``shutil.copy2``), so its copies are the stubs'."""
+    from the default engine's files. The conversion copies the model-states files as files
+    (``shutil.copy2``), so its copies are the stubs', which stand for the same files: the
+    universal checkpoint then loads (``"load_universal"``, new ranks of the same job, as
+    DeepSpeed's test goes on) and trains a step bitwise as uninterrupted training without
+    ftmem does (DeepSpeed's own universal load leaves the RNG as the script seeded it, so its
+    step after the load differs in dropout; ftmem restores the RNG the version saved)."""
     ftmem, stock = config_pair(config, shm_dir, ec={"k": 1, "m": 1})
-    for name, cfg, env in (("reference", stock, STOCK_ENV), ("ftmem", ftmem, dict(ENV, FTMEM_COLLECTIVE_TIMEOUT_S="5"))):
-        run = stock_script(tmp_path, name, cfg, env, 2, job_id(), 2, "--read-back", how)
+    runs = {"reference": (stock, STOCK_ENV), "ftmem": (ftmem, dict(ENV, FTMEM_COLLECTIVE_TIMEOUT_S="5"))}
+    jobs_of = {name: job_id() for name in runs}
+    for name, (cfg, env) in runs.items():
+        run = stock_script(tmp_path, name, cfg, env, 2, jobs_of[name], 2, "--read-back", how)
         assert run.wait(TIMEOUT) == [0, 0], run.log(0)[-5000:]
     if how == "zero_to_fp32-on-rank-0":
         got, want = (torch.load(tmp_path / name / "rank0.read-back.pt") for name in ("ftmem", "reference"))
@@ -476,6 +482,19 @@ def test_checkpoint_files_read_on_rank_0_alone_are_served_from_this_host_s_memor
             continue
         mine, theirs = (torch.load(d / name, weights_only=False) for d in (got, want))
         assert_same_values(mine, theirs, name)  # what the conversion read from memory is what the files held
+    uninterrupted = stock_script(tmp_path, "uninterrupted", stock, STOCK_ENV, 2, job_id(), 3)
+    assert uninterrupted.wait(TIMEOUT) == [0, 0], uninterrupted.log(0)[-5000:]
+    universal = dict(ftmem, checkpoint={**ftmem["checkpoint"], "load_universal": True})
+    run = stock_script(tmp_path, "ftmem", universal, runs["ftmem"][1], 2, jobs_of["ftmem"], 3, "--load-tag",
+                       "global_step2_universal")
+    assert run.wait(TIMEOUT) == [0, 0], run.log(0)[-5000:]
+    assert logged(restored_from_memory(2, 0, "tag global_step2"), run.log(0)), run.log(0)[-3000:]
+    for rank in range(2):
+        got, want = ((tmp_path / name / f"rank{rank}.losses.jsonl").read_text().splitlines()
+                     for name in ("ftmem", "uninterrupted"))
+        assert len(got) == 3 and got == want  # steps 0-1, then step 2 after the universal load
+        mine, theirs = (torch.load(tmp_path / name / f"rank{rank}.final.pt") for name in ("ftmem", "uninterrupted"))
+        assert_same_values(mine, theirs, f"rank {rank}'s final weights")
 
 
 def assert_same_values(got, want, where: str) -> None:
