@@ -86,6 +86,18 @@ def _serve(requests, out) -> dict:
             _send(out, {"pid": pid})
 
 
+def _redirect_log_handlers(old, new) -> None:
+    """Log handlers made at a preloaded import (DeepSpeed's logger writes to stdout) hold the
+    server's stdout, which the child closed: point them at the rank's, as a cold start has them."""
+    import logging
+
+    loggers = [logging.getLogger(), *(each for each in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(each, logging.Logger))]
+    for handler in (handler for each in loggers for handler in each.handlers):
+        if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+            handler.stream = new  # not setStream, which flushes the closed one first
+
+
 def _become(request: dict, channel: list) -> None:
     """Turn this fresh child into the rank the request describes."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it; a rank does not
@@ -97,9 +109,11 @@ def _become(request: dict, channel: list) -> None:
         os.dup2(fd, target)
     os.close(log)
     os.close(devnull)
+    server_stdout = sys.stdout
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    _redirect_log_handlers(server_stdout, sys.stdout)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
