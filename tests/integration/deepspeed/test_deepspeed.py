@@ -765,9 +765,10 @@ def test_a_checkpoint_another_job_wrote_into_the_save_dir_is_refused_not_served_
                                                                                                        tmp_path):
     """A job is killed after step 3. Another job (another id and world size, on other
     machines: its own shared memory) then trains in the same save dir and writes its own
-    stubs over the same tags. The first job's restart holds its version 4 in memory, but global_step4 on disk
-    is now the other job's: it is refused, naming both jobs, never served from this job's
-    memory."""
+    stubs over the same tags. The first job's restart holds its versions 3 and 4 in memory,
+    but ``latest`` now names the other job's global_step6, of another run: this job's
+    versions are stale, never served, and the load of the other job's checkpoint is refused,
+    naming both jobs."""
     world = 2
     job = DSJob("zero1.json", world, shm_dir, str(tmp_path / "run"), ftmem={"ec": {"k": 1, "m": 1}})
     with job.start("--stop-after", str(STOP)) as run:
@@ -783,7 +784,9 @@ def test_a_checkpoint_another_job_wrote_into_the_save_dir_is_refused_not_served_
         free_shm_dir(elsewhere)
     codes = job.run("--load")
     assert all(code != 0 for code in codes), job.log(0)[-5000:]
-    stub = os.path.join(job.save_dir, f"global_step{STOP + 1}", "mp_rank_00_model_states.pt")
+    stub = os.path.join(job.save_dir, f"global_step{ITERS}", "mp_rank_00_model_states.pt")
+    assert (f"not restoring this job's version(s) [{STOP}, {STOP + 1}]: they are of another run than the save dir's "
+            f"newest checkpoint (job {other.job}'s version {ITERS})") in job.log(0), job.log(0)[-5000:]
     for rank in range(world):
         assert (f"{stub} is a stub of job {other.job}'s in-memory checkpoint, but this job is {job.job}. Job "
                 f"{other.job} saved it on 3 ranks (3 nodes of 1); this job runs on 2 ranks (2 nodes of 1). A job's id "
