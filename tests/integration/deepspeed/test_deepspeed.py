@@ -462,10 +462,14 @@ def test_checkpoint_files_read_on_rank_0_alone_are_served_from_this_host_s_memor
     ftmem, stock = config_pair(config, shm_dir, ec={"k": 1, "m": 1})
     runs = {"reference": (stock, STOCK_ENV), "ftmem": (ftmem, dict(ENV, FTMEM_COLLECTIVE_TIMEOUT_S="5"))}
     jobs_of = {name: job_id() for name in runs}
+    universal = how == "ds_to_universal-on-rank-0"
     for name, (cfg, env) in runs.items():
-        run = stock_script(tmp_path, name, cfg, env, 2, jobs_of[name], 2, "--read-back", how)
+        # The reference converts step 2 and trains on to step 3: also the uninterrupted run
+        # the universal load is compared with.
+        more = ["--read-back-tag", "global_step2"] if universal and name == "reference" else []
+        run = stock_script(tmp_path, name, cfg, env, 2, jobs_of[name], 3 if more else 2, "--read-back", how, *more)
         assert run.wait(TIMEOUT) == [0, 0], run.log(0)[-5000:]
-    if how == "zero_to_fp32-on-rank-0":
+    if not universal:
         got, want = (torch.load(tmp_path / name / "rank0.read-back.pt") for name in ("ftmem", "reference"))
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         return
@@ -482,18 +486,16 @@ def test_checkpoint_files_read_on_rank_0_alone_are_served_from_this_host_s_memor
             continue
         mine, theirs = (torch.load(d / name, weights_only=False) for d in (got, want))
         assert_same_values(mine, theirs, name)  # what the conversion read from memory is what the files held
-    uninterrupted = stock_script(tmp_path, "uninterrupted", stock, STOCK_ENV, 2, job_id(), 3)
-    assert uninterrupted.wait(TIMEOUT) == [0, 0], uninterrupted.log(0)[-5000:]
-    universal = dict(ftmem, checkpoint={**ftmem["checkpoint"], "load_universal": True})
-    run = stock_script(tmp_path, "ftmem", universal, runs["ftmem"][1], 2, jobs_of["ftmem"], 3, "--load-tag",
+    loads_universal = dict(ftmem, checkpoint={**ftmem["checkpoint"], "load_universal": True})
+    run = stock_script(tmp_path, "ftmem", loads_universal, runs["ftmem"][1], 2, jobs_of["ftmem"], 3, "--load-tag",
                        "global_step2_universal")
     assert run.wait(TIMEOUT) == [0, 0], run.log(0)[-5000:]
     assert logged(restored_from_memory(2, 0, "tag global_step2"), run.log(0)), run.log(0)[-3000:]
     for rank in range(2):
         got, want = ((tmp_path / name / f"rank{rank}.losses.jsonl").read_text().splitlines()
-                     for name in ("ftmem", "uninterrupted"))
+                     for name in ("ftmem", "reference"))
         assert len(got) == 3 and got == want  # steps 0-1, then step 2 after the universal load
-        mine, theirs = (torch.load(tmp_path / name / f"rank{rank}.final.pt") for name in ("ftmem", "uninterrupted"))
+        mine, theirs = (torch.load(tmp_path / name / f"rank{rank}.final.pt") for name in ("ftmem", "reference"))
         assert_same_values(mine, theirs, f"rank {rank}'s final weights")
 
 
