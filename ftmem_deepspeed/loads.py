@@ -67,14 +67,14 @@ class DeepSpeedLoads:
         tier can give back, the load is refused: DeepSpeed's default engine would have
         loaded that checkpoint, so a fresh start in its place would be a silently wrong
         resume. Collective: every rank loads."""
-        self._load = self._resume(load_dir, into)
+        latest = _read_latest(load_dir)
+        stub = _stub_in(os.path.join(load_dir, latest)) if latest else None
+        self._load = self._resume(stub, into)
         resumption = self._load.resumption
         if resumption.source == MEMORY:
             return load_dir, self._load.tag
         if resumption.source == DISK:
             return os.path.split(resumption.disk.directory)
-        latest = _read_latest(load_dir)
-        stub = _stub_in(os.path.join(load_dir, latest)) if latest else None
         if latest and stub is None:
             return load_dir, None  # files another engine wrote: DeepSpeed loads them as usual
         if latest:
@@ -132,10 +132,10 @@ class DeepSpeedLoads:
 
         loaded = self._load is not None and self._load.tag == tag
         if not loaded:
-            saved = version_of(_stub(path))
-            states = self.runtime.read_here(_version_of_tag(os.path.dirname(path)), saved and saved.uid)
+            saved, version = version_of(_stub(path)), _version_of_tag(os.path.dirname(path))
+            states = self.runtime.read_here(version, saved and saved.uid)
             if states is not None:
-                _check_tag(path, _version_of_tag(os.path.dirname(path)), states[0]["tag"])
+                _check_tag(path, version, states[0]["tag"])
                 return lowest_rank_first([of_tag(state["files"]) for state in states])
         everyone_joins(f"reading {path} from memory",
                        "To read an ftmem checkpoint on some ranks only, or in another process, get real files first: "
@@ -143,7 +143,7 @@ class DeepSpeedLoads:
         if loaded:
             files = self._load.files
         else:
-            files = self._checked(path, self.runtime.read_version(_version_of_tag(os.path.dirname(path)))).state["files"]
+            files = self._checked(path, self.runtime.read_version(version)).state["files"]
         # A file every DP replica holds (the model states) is served as the default engine
         # writes it: from the lowest rank.
         return lowest_rank_first(self.runtime.gather(of_tag(files)))
@@ -153,17 +153,15 @@ class DeepSpeedLoads:
         :meth:`ftmem_deepspeed.FtmemCheckpointEngine.loaded`)."""
         self._load = self._served = None
 
-    def _resume(self, load_dir: str, into: Optional[RestoreTargets]) -> _Load:
-        """A resume (collective): memory's newest of the run that ``latest`` in ``load_dir``
-        names (an earlier run's versions are stale), else the persistent tier's newest
+    def _resume(self, latest_stub: Optional[str], into: Optional[RestoreTargets]) -> _Load:
+        """A resume (collective): memory's newest of the run whose stub ``latest`` names
+        (``latest_stub``; an earlier run's versions are stale), else the persistent tier's newest
         checkpoint (then DeepSpeed reads its real files, see :meth:`resume_point`), else nothing."""
         persist_dir = self._persist_dir
         newest = flushed(persist_dir)[-1] if persist_dir and flushed(persist_dir) else None
         disk = DiskCheckpoint(newest["version"], os.path.join(persist_dir, newest["name"])) if newest else None
-        latest = _read_latest(load_dir)
-        stub = _stub_in(os.path.join(load_dir, latest)) if latest else None
         plan = self.runtime.plan_resume(disk, OtherWorlds(refuse=self._cannot_load),
-                                        newest_saved=version_of(read_stub(stub)) if stub else None)
+                                        newest_saved=version_of(_stub(latest_stub)) if latest_stub else None)
         # What to restore into is built here, between the collective phases.
         targets = into(plan.saved) if into is not None and plan.chosen is not None else None
         plan = self.runtime.restore(plan, into=targets)

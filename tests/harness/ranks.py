@@ -8,8 +8,8 @@ changes what the other's run sees: megatron-core admits ``argparse.Namespace`` t
 (``PYTHONPATH``, torch's backend autoload, threads), started with that environment, so that
 a rank finds what a cold ``python -m`` would have imported. A server whose ``PYTHONPATH``
 brings the framework's own tree (Megatron-LM's, a patched DeepSpeed) imports it from there;
-one whose path may change the framework otherwise imports only torch and numpy ahead. A rank where CUDA is present starts cold. Either way it is a real process,
-killed for real.
+one whose path may change the framework otherwise imports only torch and numpy ahead. A rank
+where CUDA is present starts cold. Either way it is a real process, killed for real.
 """
 from __future__ import annotations
 
@@ -138,9 +138,10 @@ def _preload_for(framework: str, pythonpath: Optional[str]) -> str:
     on import (a ``sitecustomize``, a patch) gets torch alone."""
     if pythonpath is None:
         return framework
-    package = {"megatron": ("megatron", "training"), "deepspeed": ("deepspeed",)}.get(framework)
+    package, preload = {"megatron": (("megatron", "training"), "megatron-lm"),
+                        "deepspeed": (("deepspeed",), "deepspeed")}.get(framework, ((), "torch"))
     if package and any(os.path.isdir(os.path.join(entry, *package)) for entry in pythonpath.split(os.pathsep)):
-        return framework + "-tree"
+        return preload
     return "torch"
 
 

@@ -1,4 +1,4 @@
-"""A fork server for rank processes: ``python -m tests.harness.zygote deepspeed|megatron|torch|...``
+"""A fork server for rank processes: ``python -m tests.harness.zygote deepspeed|megatron|megatron-lm|torch``
 imports torch and that framework (or torch alone) once, then forks one child per rank on
 request. Each child
 becomes ``python -m <module> <args>`` with its own environment, working directory and
@@ -10,10 +10,12 @@ rank, which was most of the suite's time in multi-process tests (tests/harness/r
 says which jobs may start this way).
 
 Protocol, one JSON object per line: requests on stdin ``{"module", "args", "env", "cwd",
-"log"}`` (fork a rank) or ``{"kill": P}`` (SIGKILL child P, unless it has ended); on stdout, for each request in order ``{"pid": P}``, and for each child that
+"log"}`` (fork a rank) or ``{"kill": P}`` (SIGKILL child P, unless it has ended); on
+stdout, for each request in order ``{"pid": P}``, and for each child that
 ended ``{"pid": P, "code": C}`` (C as ``subprocess.Popen.returncode``: ``-N`` for signal N).
 An ended child is reaped only when it is reported, and the test kills a child through the
-server, which kills only a child it has not reaped: a pid is never reused under a kill. The server exits when its stdin closes, killing the children left.
+server, which kills only a child it has not reaped: a pid is never reused under a kill. The
+server exits when its stdin closes, killing the children left.
 """
 import json
 import os
@@ -23,15 +25,13 @@ import signal
 import sys
 
 #: what every forked rank finds imported; anything else it imports itself. Where the
-#: server's PYTHONPATH brings the framework's own tree (``*-tree``), it is imported from
-#: there, as the rank would; where the path may change it otherwise (``torch``), only torch
-#: and numpy.
+#: server's PYTHONPATH brings the framework's own tree, it is imported from there, as the
+#: rank would (Megatron-LM's with its training package); where the path may change it
+#: otherwise (``torch``), only torch and numpy.
 PRELOAD = {"deepspeed": ("torch", "numpy", "deepspeed"),
            "megatron": ("torch", "numpy", "megatron.core", "megatron.core.models.gpt"),
-           "torch": ("torch", "numpy"),
-           # The package on the server's PYTHONPATH (tests/harness/ranks.py: _preload_for)
-           "megatron-tree": ("torch", "numpy", "megatron.core", "megatron.core.models.gpt", "megatron.training"),
-           "deepspeed-tree": ("torch", "numpy", "deepspeed")}
+           "megatron-lm": ("torch", "numpy", "megatron.core", "megatron.core.models.gpt", "megatron.training"),
+           "torch": ("torch", "numpy")}
 
 
 def _preload(which: str) -> None:
