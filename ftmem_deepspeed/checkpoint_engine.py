@@ -137,12 +137,13 @@ class FtmemCheckpointEngine(CheckpointEngine):
         version = self._version(files)
         runtime = self._start(info.save_dir)
         identity = runtime.identity
-        # The stubs name the save (its id is the snapshot's): written once the snapshot has started.
-        handle = runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()},
-                               "tag": info.tag}, version, replicated=lambda t: id(t) in replicated)
+        # The stubs go first, naming the save about to start: a version memory holds always has them.
+        saved = runtime.next_save(version)
         for path, state_dict in files.items():
             metadata = {k: v for k, v in state_dict.items() if not tensors(v)} if isinstance(state_dict, dict) else {}
-            write_stub(path, file_key(path), handle.ref, metadata, (identity.world_size, identity.ranks_per_node))
+            write_stub(path, file_key(path), saved, metadata, (identity.world_size, identity.ranks_per_node))
+        runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()}, "tag": info.tag},
+                     version, replicated=lambda t: id(t) in replicated)
         return True
 
     def load(self, path: str, map_location=None):

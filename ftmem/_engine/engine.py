@@ -178,15 +178,20 @@ class SnapshotEngine:
         slot_bytes = self.memory.bytes_of(slot)
         if any(t.is_cuda for t in tensors):
             self.memory.pin(slot_bytes)
-        self._saves += 1
-        self.timeline = self.timeline or self._run
+        ref = self.next_save(version)
+        self._saves, self.timeline = self._saves + 1, ref.timeline
         record = CommitRecord(version=version, rank=self.rank, slot=slot, plan=plan, skeleton=skeleton,
                               layout=self.layout, format=self.format, origin=self.identity.origin,
-                              lineage=self.lineage, uid=f"{self._run}.{self._saves}", timeline=self.timeline)
-        handle = SaveHandle(version, record.ref(self.identity.job))
+                              lineage=self.lineage, uid=ref.uid, timeline=ref.timeline)
+        handle = SaveHandle(version, ref)
         self._committer.start(handle, record, tensors, slot_bytes, capture_cuda_order(tensors), persist)
         self._inflight = handle
         return handle
+
+    def next_save(self, version: int) -> VersionRef:
+        """The save that the next :meth:`save` of ``version`` makes: for what must name it before
+        it starts (DeepSpeed's stubs, which must exist whenever memory holds the version)."""
+        return VersionRef(self.identity.job, version, f"{self._run}.{self._saves + 1}", self.timeline or self._run)
 
     def _parity_estimate(self, nbytes: int) -> int:
         """Parity bytes for ``nbytes`` of data, assuming the column's members are alike."""

@@ -174,6 +174,10 @@ class AdapterRuntime:
         self._free_superseded_once_protected()  # the save waited for the last one
         return self._handle
 
+    def next_save(self, version: int) -> VersionRef:
+        """The save that the next :meth:`save` of ``version`` makes (to name it before it starts)."""
+        return self._engine.next_save(version)
+
     def wait_reusable(self) -> None:
         """The last snapshot's copy is done: the optimizer may write the state again."""
         if self._handle is not None:
