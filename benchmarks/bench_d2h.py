@@ -38,7 +38,7 @@ def bench_d2h(total_mb: int = 1024, repeat: int = 5, shm_dir: str = "/dev/shm") 
     engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job, "ranks_per_node": 1}, rank=0, world_size=1)
     try:
         for version in range(2):  # both slots allocated, mapped and pinned
-            engine.save(state, version).wait_committed()
+            engine.save(state, version).wait_protected()
         # Timed to "reusable" only: the commit (a checksum on the CPU) follows the copy.
         # Each timed save starts once the last is committed; that wait is reported apart.
         times, drains = [], []
@@ -48,7 +48,7 @@ def bench_d2h(total_mb: int = 1024, repeat: int = 5, shm_dir: str = "/dev/shm") 
             handle = engine.save(state, version)
             handle.wait_reusable()
             t1 = time.perf_counter()
-            handle.wait_committed()
+            handle.wait_protected()
             times.append(t1 - t0)
             drains.append(time.perf_counter() - t1)
         slot_s = statistics.median(times)

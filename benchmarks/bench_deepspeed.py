@@ -153,8 +153,9 @@ def worker(argv=None) -> None:
     # 1b. the cycle cost on the big model: blocks of steps with an ftmem save after every
     # step take turns with blocks without saves; a block with saves ends when its last
     # snapshot is protected, inside its timer.
+    # After each save: how many iterations the newest protected version is behind it.
     engine, cfg = engine_for(BIG, True)
-    per_step = {"save": [], "nosave": []}
+    per_step, lags = {"save": [], "nosave": []}, []
     step = 0
     for block in range(1 + args.blocks):  # block 0 warms up: allocation, first mappings
         for kind in ("nosave", "save"):
@@ -164,6 +165,7 @@ def worker(argv=None) -> None:
                     train_step(engine, cfg, step)
                     if kind == "save":
                         engine.save_checkpoint(os.path.join(args.work, "cycle"))
+                        lags.append(engine.checkpoint_engine.runtime.lag().versions)
                     step += 1
                 if kind == "save":
                     engine.checkpoint_engine.wait_protected()
@@ -171,9 +173,13 @@ def worker(argv=None) -> None:
             took = timed(block_of_steps)
             if block:
                 per_step[kind].append(took / args.block_steps)
+    lag = engine.checkpoint_engine.runtime.lag()
     engine.checkpoint_engine.runtime.close(job_finished=True)
     figures["big_step_s"] = statistics.median(per_step["nosave"])
     figures["big_cycle_s"] = statistics.median(per_step["save"])
+    figures["protect_lag_iters"] = statistics.median(lag for lag in lags if lag is not None)
+    figures["protect_lag_max_iters"] = max(lag for lag in lags if lag is not None)
+    figures["versions_unprotected"] = lag.unprotected
     del engine
 
     # 2. the same saves with every version flushed to disk: what the save call blocks
@@ -245,6 +251,8 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
         "protected_s": f["ftmem_protected_s"], "drain_before_restore_s": f["ftmem_drain_before_protected_s"],
         "step_s": f["big_step_s"], "cycle_s": f["big_cycle_s"], "cycle_cost_s": f["big_cycle_s"] - f["big_step_s"],
         "cycle_cost_vs_default_save_x": (f["big_cycle_s"] - f["big_step_s"]) / f["default_save_s"],
+        "protect_lag_iters": f["protect_lag_iters"], "protect_lag_max_iters": f["protect_lag_max_iters"],
+        "versions_unprotected": f["versions_unprotected"],
         **{key: f[key] for key in restore_breakdown.KEYS},
     }
     for case in ITERATION_CASES:
@@ -260,7 +268,9 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
     print(restore_breakdown.describe(result))
     print(f"  a save after every step: step {result['step_s']:.3f} s without saves, {result['cycle_s']:.3f} s with "
           f"(cycle cost {result['cycle_cost_s']:+.3f} s, {result['cycle_cost_vs_default_save_x']:.2f}x the default "
-          f"engine's blocking save, target <= 0.25x; every wait billed)")
+          f"engine's blocking save, target <= 0.25x; every wait billed); protection ran "
+          f"{result['protect_lag_iters']:g} iteration(s) behind the saves (median, at most "
+          f"{result['protect_lag_max_iters']:g}), {result['versions_unprotected']:g} version(s) never protected")
     print(f"  save -> protected {result['protected_s']:.3f} s; before the restart, the last snapshot was drained "
           f"for {result['drain_before_restore_s']:.3f} s (untimed: setup for the restore figures)")
     print(f"  with a flush to disk after every save: save_checkpoint blocks {result['persist_save_s']:.3f} s "

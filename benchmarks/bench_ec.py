@@ -81,7 +81,7 @@ def protect_worker(argv=None) -> None:
         handle = engine.save(state, version, replicated=lambda t: id(t) in shared)
         handle.wait_reusable()
         t0 = time.perf_counter()
-        handle.wait_committed()
+        handle.wait_protected()
         protect_s.append(time.perf_counter() - t0)
     store = engine.store
     data = store.read_commit(REPEAT).plan.nbytes

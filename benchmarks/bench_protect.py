@@ -66,7 +66,7 @@ def worker(argv=None) -> None:
 
         copied = _timed(save)
         t0 = time.perf_counter()
-        handle.wait_committed()
+        handle.wait_protected()
         if version:
             copy_s.append(copied)
             protect_s.append(copied + time.perf_counter() - t0)

@@ -60,7 +60,7 @@ class _Timeline:
         def wait() -> None:
             handle.wait_reusable()
             self.reusable_s.append(time.perf_counter() - started)
-            handle.wait_committed()
+            handle.wait_protected()
             self.protected_s.append(time.perf_counter() - started)
 
         self._threads.append(threading.Thread(target=wait, daemon=True))
@@ -98,14 +98,14 @@ def steady_loop(engine: SnapshotEngine, state: dict, tensors: list, repeat: int,
 
     for warm_up in range(2):  # first use of both slots: allocation and page mapping
         step(save=True)
-    handle.wait_committed()
+    handle.wait_protected()
     for block in range(blocks):
         for kind in ("no saves", "saves"):
             t0 = time.perf_counter()
             for _ in range(repeat):
                 step(save=kind == "saves")
             if kind == "saves":
-                handle.wait_committed()
+                handle.wait_protected()
                 handle = None
             per_step[kind].append((time.perf_counter() - t0) / repeat)
     timeline.join()

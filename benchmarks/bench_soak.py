@@ -109,7 +109,7 @@ def soak_worker(argv=None) -> None:
         handle = engine.save(state, it, replicated=lambda t: True)
         if it in points:
             t0 = time.perf_counter()
-            engine.wait()  # the version is committed and protected everywhere: nothing in flight
+            engine.wait_protected()  # the version is committed and protected everywhere: nothing in flight
             dist.barrier()
             node_dir = engine.identity.node_dir
             smp = running_smp(node_dir)

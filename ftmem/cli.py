@@ -102,7 +102,9 @@ def _cmd_status(args) -> int:
     if not report["jobs"]:
         print(f"no ftmem jobs in {args.shm_dir}")
     for job in report["jobs"]:
-        print(f"job {job['job']}")
+        newest, protected = job["newest_held"], job["newest_protected"]
+        behind = f", {newest - protected} behind" if newest is not None and protected is not None else ""
+        print(f"job {job['job']}: newest version held {newest}, newest protected {protected}{behind}")
         for n in job["nodes"]:
             # An SMP exits once its ranks are gone for FTMEM_SMP_GRACE_S; the versions stay.
             smp = f"SMP running (pid {n['smp_pid']})" if n["smp_pid"] else "no SMP running (a restart starts one)"

@@ -24,6 +24,11 @@ from ftmem.errors import ConfigError
 from ftmem._common.identity import JOB_ID_RULE, is_job_id
 
 DP_SHARD_CHOICES = ("auto", "on", "off")
+# Data slots per rank (versions in memory): the newest protected version, the one being
+# protected, and the newest copy, which a crash of processes restores. Two give up the newest
+# copy: a save that comes while a protection runs is then skipped (ftmem._engine.commit).
+DATA_SLOTS = 3
+SLOT_CHOICES = (2, 3)
 _ALLOWED = "ftmem.allowed"  # the metadata key of a field's Allowed
 
 
@@ -238,6 +243,7 @@ class FtmemConfig(_Section):
     shm_dir: str = _key("/dev/shm", kind=str)
     dp_shard: str = _key("auto", kind=str, choices=DP_SHARD_CHOICES)
     persist: PersistConfig = _key(PersistConfig)
+    slots: int = _key(DATA_SLOTS, kind=int, choices=SLOT_CHOICES)
     job_id: Optional[str] = _key(kind=str, optional=True, rule=is_job_id, rule_text=JOB_ID_RULE)
     # Memory holds a version of another layout, model or args: load the disk checkpoint
     # instead of stopping (AdapterRuntime.plan_resume).

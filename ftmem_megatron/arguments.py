@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ftmem import DP_SHARD_CHOICES, ConfigError, FtmemConfig
+from ftmem import DP_SHARD_CHOICES, SLOT_CHOICES, ConfigError, FtmemConfig
 
 # Megatron-LM's non-persistent checkpoint types; ftmem implements "in_memory".
 NON_PERSISTENT_TYPES = ("global", "local", "in_memory")
@@ -23,6 +23,7 @@ FTMEM_FLAGS = (
     ("--ftmem-shm-dir", "ftmem_shm_dir", "shm_dir"),
     ("--ftmem-dp-shard", "ftmem_dp_shard", "dp_shard"),
     ("--ftmem-job-id", "ftmem_job_id", "job_id"),
+    ("--ftmem-slots", "ftmem_slots", "slots"),
 )
 
 
@@ -41,6 +42,10 @@ def add_ftmem_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--ftmem-job-id", default=None,
                        help="job identity a restart finds its snapshots by (default: FTMEM_JOB_ID, else derived "
                             "from the --save directory and the world layout)")
+    group.add_argument("--ftmem-slots", type=int, choices=SLOT_CHOICES, default=None,
+                       help="versions each rank keeps in memory: 3 (default) keeps the newest snapshot while an "
+                            "older one is being protected; 2 needs less memory and skips a save that comes while "
+                            "a protection runs")
     group.add_argument("--ftmem-allow-disk-fallback", action="store_true",
                        help="when memory holds a version this job cannot use (another parallel layout or model), "
                             "load the persistent checkpoint from --load instead of stopping with the reason")

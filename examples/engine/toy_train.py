@@ -38,7 +38,7 @@ from ftmem import (LayoutMismatch, NotRecoverableFromMemory, SnapshotEngine, res
 
 IN, HIDDEN, OUT = 32, 64, 8
 # Flags that configure the snapshots, refused with --no-snapshots (which takes none).
-SNAPSHOT_FLAGS = ("stop_after", "ranks_per_node", "shm_dir", "ec_k", "ec_m", "dp_shard")
+SNAPSHOT_FLAGS = ("stop_after", "ranks_per_node", "shm_dir", "ec_k", "ec_m", "dp_shard", "protect_each")
 
 
 def build_model() -> torch.nn.Module:
@@ -63,6 +63,10 @@ def main(argv=None) -> None:
     parser.add_argument("--ec-k", type=int, default=None)
     parser.add_argument("--ec-m", type=int, default=None)
     parser.add_argument("--dp-shard", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--protect-each", action="store_true",
+                        help="wait for each save's protection before the next save, so that every version is "
+                             "protected in turn (for kills at one version's protection step); without it "
+                             "protection runs behind the saves and takes the newest")
     parser.add_argument("--no-snapshots", action="store_true",
                         help="train without ftmem: no SnapshotEngine, nothing saved or restored (a reference run)")
     args = parser.parse_args(argv)
@@ -125,12 +129,14 @@ def main(argv=None) -> None:
         losses.flush()
         if engine is None:
             continue
+        if handle is not None and args.protect_each:
+            handle.wait_protected()
         snapshot = state(it)
         # Model and optimizer state are identical on every rank (averaged gradients);
         # the torch RNG state (per-rank dropout) is the only tensor unique to a rank.
         handle = engine.save(snapshot, it, replicated=lambda t: t is not snapshot["rng"]["torch"])
         if it == args.stop_after:
-            handle.wait_committed()
+            handle.wait_protected()
             print(f"rank {rank}: stopped after committing version {it}; waiting to be killed", flush=True)
             while True:
                 time.sleep(3600)

@@ -5,12 +5,17 @@
 ``$FTMEM_TEST_HOOK_DIR/paused.rank<r>.v<v>`` and sleeps until the process is killed;
 ``hold`` creates that file too, and goes on once ``$FTMEM_TEST_HOOK_DIR/resume.rank<r>.v<v>``
 exists (the test kills something else meanwhile, an SMP say).
+``version=N+`` fires once, at the first version >= N that reaches ``point`` (for points whose
+versions depend on timing, as ``before_protect``'s do).
 Points (any action at any point; tests/faults/test_fault_matrix.py crosses them):
 
 * ``new_group``     starting the engine (v: the number of ftmem's groups this process has
   made so far): before it makes the next one (ftmem/_common/collective.py);
 * ``mid_copy``      saving v: half of the tensors are copied into the slot, no marker;
-* ``after_commit``  saving v: right after its commit marker, before any parity exists;
+* ``after_commit``  saving v: right after its commit marker (the copy thread), before any
+  parity exists;
+* ``before_protect`` protecting v: the job agreed to protect it and every rank holds it
+  committed; before the column's exchange (the protection thread, ftmem/_engine/commit.py);
 * ``mid_exchange``  saving v with erasure coding: after the column's first all_to_all
   of pieces (ftmem/_ec/protect.py), before its parity is encoded or recorded; also in a
   restore that rebuilt a rank, when the column encodes v's parity again;
@@ -33,12 +38,22 @@ import time
 _spec = os.environ.get("FTMEM_TEST_HOOK", "")
 
 
+_fired = False  # a hook for ``version=N+`` fires once
+
+
 def at(point: str, rank: int, version: int) -> None:
+    global _fired
     if not _spec:
         return
     hook_point, action, *conds = _spec.split(":")
     want = dict(c.split("=", 1) for c in conds)
-    if hook_point != point or int(want["rank"]) != rank or int(want["version"]) != version:
+    if hook_point != point or int(want["rank"]) != rank:
+        return
+    if want["version"].endswith("+"):
+        if _fired or version < int(want["version"][:-1]):
+            return
+        _fired = True
+    elif int(want["version"]) != version:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

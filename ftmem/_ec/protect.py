@@ -219,10 +219,11 @@ class ColumnCoder:
         lengths = [r.plan.nbytes for r in records]
         return lengths, records, piece_size(lengths, self.group.k)
 
-    def protect(self, record: CommitRecord, data: np.ndarray, parity: np.ndarray, lengths: list[int],
+    def protect(self, record: CommitRecord, data: np.ndarray, parity: np.ndarray, slot: int, lengths: list[int],
                 records: list[CommitRecord], piece: int) -> ParityRecord:
         """Send this member's pieces to their stripes' parity holders, receive the pieces
-        of the stripes it holds parity for, and encode them into ``parity`` (m pieces)."""
+        of the stripes it holds parity for, and encode them into ``parity`` (m pieces, in
+        parity slot ``slot``)."""
         g = self.group
         # Every (data piece -> parity holder) move of the column, in one canonical order:
         # a move's index in it tags its messages, so both ends name it alike.
@@ -253,16 +254,17 @@ class ColumnCoder:
         copy_of = [g.data_members(stripe)[0] if self.codec.copies(q) else -1 for stripe, q in exchange.held]
         sums = [records[src].checksum if src >= 0 else checksum(parity[i * piece : (i + 1) * piece])
                 for i, src in enumerate(copy_of)]
-        return ParityRecord(version=record.version, slot=record.slot, k=g.k, m=g.m, nodes=g.nodes,
+        return ParityRecord(version=record.version, slot=slot, k=g.k, m=g.m, nodes=g.nodes,
                             piece_size=piece, lengths=tuple(lengths), records=tuple(records), checksums=tuple(sums),
                             copy_of=tuple(copy_of))
 
-    def encode_again(self, record: CommitRecord, data: np.ndarray) -> tuple[ParityRecord, np.ndarray]:
+    def encode_again(self, record: CommitRecord, data: np.ndarray, slot: int) -> tuple[ParityRecord, np.ndarray]:
         """This member's parity of ``record``'s version, encoded again from the column's
-        data (collective over the column): for members that lack it after a rebuild."""
+        data (collective over the column), to keep in parity slot ``slot``: for members that
+        lack it after a rebuild."""
         lengths, records, piece = self.exchange_info(record)
         parity = np.empty(self.parity_nbytes(piece), dtype=np.uint8)
-        return self.protect(record, data, parity, lengths, records, piece), parity
+        return self.protect(record, data, parity, slot, lengths, records, piece), parity
 
     def _all_to_all(self, recv: torch.Tensor, send: torch.Tensor, incoming: list, outgoing: list, piece: int) -> None:
         """Moves (source, destination, ...) are laid out by peer in both buffers."""

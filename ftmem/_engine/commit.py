@@ -1,41 +1,92 @@
-"""The commit protocol of one rank, run on its background thread while training goes on.
+"""The commit protocol of one rank: a copy thread and a protection thread, both running
+while training goes on, so that a save costs the training thread the copy at most, never
+the protection (see docs/design/protocols.md).
 
-For each save, in order (see docs/design/protocols.md):
+The copy thread takes the saves in the order the training makes them:
 
-1. what the slot held becomes invisible (its marker goes first), then the bytes are
-   copied in; the handle becomes *reusable*;
-2. the bytes are checksummed and the commit marker, which holds the checksum, is
-   written (atomic rename): the rank's part of v exists, and can be verified;
-3. with erasure coding, the column exchanges pieces and each member stores its parity
-   (:class:`ftmem._ec.protect.ColumnCoder`);
-4. the job agrees that every rank committed (and protected) v; the handle becomes
-   *committed*, and the next save may overwrite the older slot;
-5. if the persistent tier is due, the flusher gets a private copy of v.
+1. it picks a data slot that holds neither the *anchor* (the newest version protected
+   job-wide, which must survive until a newer one is) nor the version being protected:
+   an empty slot, else the one with the oldest version. With three slots one is always
+   left (it held the newest copy, which the new save replaces); with two, a save that
+   comes while a protection runs finds none and is *skipped*;
+2. what the slot held becomes invisible (its marker goes first), the bytes are copied
+   in, and the handle becomes *reusable*;
+3. the bytes are checksummed and the commit marker, which holds the checksum, is written
+   (atomic rename): the rank's part of v exists, and a crash of processes restores it.
 
-A crash at any step leaves the other slot's version intact.
+The protection thread protects the newest save behind them, one at a time, in rounds that
+every rank takes alike (each step a collective over ftmem's groups):
+
+4. the job agrees on the newest save every rank has made (the least of each rank's
+   newest); each rank claims it, so that the copy thread leaves its slot alone, lets its
+   copy finish, and the job votes that every rank committed it. If a rank no longer holds
+   it (it was skipped, or ran two saves ahead of another rank and replaced it), nothing is
+   protected this round: the next save starts the next;
+5. with erasure coding, the column exchanges pieces and each member stores its parity in
+   the parity slot that does not hold the anchor's (:class:`ftmem._ec.protect.ColumnCoder`);
+6. the job agrees that every rank protected v: v is the anchor, the older anchor's slots
+   are free, and the handles of v and of every save before it are done;
+7. if the persistent tier is due, the flusher gets a private copy of v.
+
+A crash at any moment leaves the anchor intact on every rank; a crash of processes only
+also leaves the newest version every rank committed, which a restore finds on its own.
 """
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ftmem._common import testhooks
+from ftmem._common.logs import job_info
 from ftmem._state.checksum import data_checksum
 from ftmem._state.copier import SlotWindows, copy_into_slot
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
-from ftmem._common.logs import job_info
 from ftmem._disk.persist import Flusher
 from ftmem._ec.protect import ColumnCoder
 from ftmem._shm.slot_memory import SlotMemory
-from ftmem._shm.slots import PARITY, CommitRecord, RankStore
+from ftmem._shm.slots import DATA, PARITY, CommitRecord, RankStore
 
 # Reads a whole version into private CPU memory (collective over the DP group).
 ReadVersion = Callable[[CommitRecord, torch.Tensor], Any]
+
+
+@dataclass
+class _Save:
+    """One save, from its start until the job is done with it."""
+
+    handle: SaveHandle
+    record: CommitRecord  # its slot and checksum set once the copy thread has them
+    tensors: Optional[list]  # let go once copied
+    cuda_ready: dict
+    persist: bool
+    copied: bool = False  # committed on this rank
+    finished: bool = False  # the copy thread is done with it (committed, skipped or failed)
+    replaced: bool = False  # its slot was taken by a later save
+
+
+@dataclass(frozen=True)
+class Lag:
+    """How far protection is behind the saves, on this rank: the newest save started and
+    the newest version protected job-wide (None before the first), and how many saves were
+    skipped, or replaced by a newer one before the job protected them."""
+
+    newest_saved: Optional[int]
+    newest_protected: Optional[int]
+    unprotected: int
+
+    @property
+    def versions(self) -> Optional[int]:
+        """Versions (iterations, where a version is one) between the two; None before a protection."""
+        if self.newest_saved is None or self.newest_protected is None:
+            return None
+        return self.newest_saved - self.newest_protected
 
 
 class Committer:
@@ -44,26 +95,86 @@ class Committer:
         self.store, self.memory = store, memory
         self._column, self._gloo, self._read_version = column, gloo, read_version
         self.flusher: Optional[Flusher] = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftmem-copy")
-        self._last: Optional[Future] = None  # the last save's task (it never raises: errors go to its handle)
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftmem-copy")
+        self._protector: Optional[threading.Thread] = None  # started by the first save
         self._side_streams: dict = {}  # CUDA device -> the stream device-to-host copies run on
         self._windows = SlotWindows()
+        # Everything below is shared by the three threads, under _cv.
+        self._cv = threading.Condition()
+        self._saves: dict[int, _Save] = {}  # by version: saves the job is not done with
+        self._seen: Optional[int] = None  # the newest save started
+        self._tried: Optional[int] = None  # the newest save a round was about
+        self.anchor: Optional[int] = None  # the newest version protected job-wide (or resumed from)
+        self.protected_saved: Optional[int] = None  # the newest version this engine saved and protected
+        self._claimed: Optional[int] = None  # the version a round is about
+        self._copying: Optional[int] = None  # the data slot being written
+        self._in_round = False
+        self._unprotected = 0  # saves done with before the job protected them
+        self._failure: Optional[BaseException] = None  # of the protection thread: raised at the next save
+        self._stopping = False
+        self._persist_asked = False  # a save asked to be flushed; the next protected version is
+        self._skipped_before = False
+        self._lag_said = 0  # the lag, in versions, the log last said (said again when it grows or ends)
 
     @property
     def rank(self) -> int:
         return self.store.rank
 
-    def start(self, handle: SaveHandle, record: CommitRecord, tensors: list, slot_bytes: torch.Tensor,
-              cuda_ready: dict, persist: bool) -> None:
-        self._last = self._thread.submit(self._run, handle, record, tensors, slot_bytes, cuda_ready, persist)
+    # -- the training thread -------------------------------------------------------
+    def start(self, handle: SaveHandle, record: CommitRecord, tensors: list, cuda_ready: dict,
+              persist: bool) -> None:
+        save = _Save(handle, record, tensors, cuda_ready, persist)
+        with self._cv:
+            self.raise_failure()
+            self._saves[record.version] = save
+            self._seen = record.version
+            if self._protector is None:
+                self._protector = threading.Thread(target=self._protect_loop, name="ftmem-protect", daemon=True)
+                self._protector.start()
+            self._cv.notify_all()
+        self._copier.submit(self._copy, save)
+
+    def keep(self, version: Optional[int]) -> None:
+        """``version`` is the job's newest version now (a restore agreed on it, every rank holds
+        it): never overwritten before a newer one is protected (the protection thread is idle)."""
+        with self._cv:
+            self.anchor = version
+
+    def forget_from(self, version: int) -> None:
+        """Saves of ``version`` and newer were dropped (a timeline the job abandoned; idle)."""
+        with self._cv:
+            if self.anchor is not None and self.anchor >= version:
+                self.anchor = None
+            for v in [v for v in self._saves if v >= version]:
+                self._saves.pop(v).handle._set_done(protected=False)
+            if self._seen is not None and self._seen >= version:
+                self._seen = self._tried = None
+
+    def lag(self) -> Lag:
+        with self._cv:
+            return Lag(self._seen, self.anchor, self._unprotected)
+
+    def raise_failure(self) -> None:
+        """The protection thread's error, if it stopped with one (the job's groups are then in
+        an unknown state: the engine cannot go on)."""
+        if self._failure is not None:
+            raise self._failure
 
     def drain(self) -> None:
-        """Until the last save's task has run to its end (flush hand-over included)."""
-        if self._last is not None:
-            self._last.result()
+        """Until every save so far is copied, and protected or passed over, and any flush it
+        started handed over; raises the protection thread's error."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._failure is not None or (
+                not self._in_round and self._seen == self._tried and all(s.finished for s in self._saves.values())))
+            self.raise_failure()
 
     def shutdown(self) -> None:
-        self._thread.shutdown(wait=True)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._copier.shutdown(wait=True)
+        if self._protector is not None:
+            self._protector.join()
         self._windows.clear()
 
     def forget_groups(self) -> None:
@@ -72,54 +183,162 @@ class Committer:
         if self.flusher is not None:
             self.flusher.close()
 
-    def _run(self, handle: SaveHandle, record: CommitRecord, tensors: list, slot_bytes: torch.Tensor,
-             cuda_ready: dict, persist: bool) -> None:
-        version = record.version
+    # -- the copy thread -----------------------------------------------------------
+    def _copy(self, save: _Save) -> None:
+        version = save.record.version
+        with self._cv:
+            slot = self._slot_for_copy()
+            if slot is not None:
+                self._copying = slot
+                for other in self._saves.values():
+                    other.replaced |= other.record.slot == slot and other is not save
+                save.record = dataclasses.replace(save.record, slot=slot)
         try:
-            self.store.drop_slot(record.slot)  # what the slot held becomes invisible first
-            windows = self._windows.of(record.slot, slot_bytes, record.plan)
-            copy_into_slot(windows, tensors, cuda_ready, self._side_streams,
+            if slot is None:
+                save.handle._skip()
+                with self._cv:
+                    self._unprotected += 1
+                if not self._skipped_before:
+                    self._skipped_before = True
+                    job_info("version %d skipped: both slots hold versions being protected, as every save that "
+                             "comes while a protection runs will be (\"slots\": 3 keeps the newest copy "
+                             "meanwhile)", version)
+                return
+            self.store.drop_slot(slot)  # what the slot held becomes invisible first
+            slot_bytes = self.memory.bytes_of(slot)
+            if any(t.is_cuda for t in save.tensors):
+                self.memory.pin(slot_bytes)
+            windows = self._windows.of(slot, slot_bytes, save.record.plan)
+            copy_into_slot(windows, save.tensors, save.cuda_ready, self._side_streams,
                            halfway=lambda: testhooks.at("mid_copy", self.rank, version))
+            save.tensors = None
             # Reusable before the checksum: the source tensors are not read again, so the
             # optimizer step waits for the copy only, never for the checksum.
-            handle._set_reusable()
+            save.handle._set_reusable()
             # Taken from the slot before the marker exists: a version is never committed
             # without the checksum of exactly what was written (ftmem._shm.integrity).
-            record = dataclasses.replace(record, checksum=data_checksum(slot_bytes.numpy()[: record.plan.nbytes]))
+            record = dataclasses.replace(save.record,
+                                         checksum=data_checksum(slot_bytes.numpy()[: save.record.plan.nbytes]))
             self.store.write_commit(record)
+            save.record, save.copied = record, True
             testhooks.at("after_commit", self.rank, version)
-            if self._column is not None:
-                self._protect(record, slot_bytes)
-            if self._gloo is not None:
-                self._confirm_same_version_everywhere(version)
-            handle._set_committed()
-            if self.flusher is not None and self.flusher.due(asked=persist):
-                self._hand_over_for_flush(record, slot_bytes)
         except BaseException as e:
             # Files gone under the copy mean `ftmem clean`: say so, not a bare OSError.
-            handle._fail(self.memory.removed_error() or e)
+            save.handle._fail(self.memory.removed_error() or e)
+        finally:
+            save.tensors = None
+            with self._cv:
+                self._copying = None
+                save.finished = True
+                self._cv.notify_all()
 
-    def _protect(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
+    def _slot_for_copy(self) -> Optional[int]:
+        """A data slot for the next copy, or None if every one is kept (under _cv)."""
+        keep = [s.record.slot for v, s in self._saves.items() if v == self._claimed]
+        held = self.store.committed()
+        keep += [held[self.anchor]] if self.anchor in held else []
+        return self.store.free_slot(DATA, keep=tuple(keep))
+
+    # -- the protection thread -----------------------------------------------------
+    def _protect_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopping or self._seen != self._tried)
+                if self._seen == self._tried:  # stopping, with every save tried
+                    return
+                self._in_round = True
+            try:
+                self._round()
+            except BaseException as e:
+                with self._cv:
+                    self._failure = self.memory.removed_error() or e
+                    for save in self._saves.values():
+                        save.handle._fail(self._failure)
+                    self._cv.notify_all()
+                return
+            finally:
+                with self._cv:
+                    self._in_round = False
+                    self._cv.notify_all()
+
+    def _round(self) -> None:
+        with self._cv:
+            seen = self._seen
+        target = self._all_min(seen)  # every rank has started this save
+        with self._cv:
+            save = self._saves.get(target)
+            if save is not None and not save.replaced and not save.handle.skipped:
+                self._claimed = target  # the copy thread now leaves its slot alone
+                self._cv.wait_for(lambda: save.finished)  # its copy, if it still runs, is this rank's own
+            have = save is not None and save.copied and not save.replaced
+        if not self._all_min(int(have)):
+            with self._cv:
+                self._claimed, self._tried = None, target
+            return
+        record = save.record
+        testhooks.at("before_protect", self.rank, target)
+        if self._column is not None:
+            self._protect(record)
+        if self._gloo is not None:
+            self._confirm_same_version_everywhere(target)
+        with self._cv:
+            self.anchor = self.protected_saved = target
+            self._claimed, self._tried = None, target
+            done = sorted(v for v in self._saves if v <= target)
+            for v in done:
+                passed_over = self._saves.pop(v)
+                passed_over.handle._set_done(protected=v == target)
+                self._unprotected += v != target and not passed_over.handle.skipped  # skips counted already
+                self._persist_asked |= passed_over.persist
+            persist, self._persist_asked = self._persist_asked, False
+            behind = self._seen - target
+            self._cv.notify_all()
+        self._say_lag(target, behind)
+        if self.flusher is not None and self.flusher.due(asked=persist):
+            self._hand_over_for_flush(record, self.memory.bytes_of(record.slot))
+
+    def _say_lag(self, protected: int, behind: int) -> None:
+        """One log line when protection falls behind the saves, when it falls further behind
+        than it was said to be, and when it catches up: never one per save."""
+        if behind > self._lag_said:
+            job_info("protection is %d version(s) behind the saves: version %d protected, %d saved (a protection "
+                     "takes longer than the saves are apart; a crash of processes restores the newest version "
+                     "every rank copied, a node loss the newest protected one)", behind, protected, protected + behind)
+        elif behind == 0 and self._lag_said:
+            job_info("protection caught up: version %d, the newest saved, is protected", protected)
+        if behind > self._lag_said or behind == 0:
+            self._lag_said = behind
+
+    def _all_min(self, value: int) -> int:
+        """The least of every rank's ``value`` (this rank's alone on one rank)."""
+        if self._gloo is None:
+            return value
+        least = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self._gloo)
+        return int(least)
+
+    def _protect(self, record: CommitRecord) -> None:
         lengths, records, piece = self._column.exchange_info(record)
         self.memory.reserve(record.plan.nbytes, self._column.parity_nbytes(piece))
-        parity = self.memory.bytes_of(record.slot, PARITY).numpy()
-        self.store.write_parity(self._column.protect(record, slot_bytes.numpy(), parity, lengths, records, piece))
+        held = self.store.parity_held()
+        slot = self.store.free_slot(PARITY, keep=(held[self.anchor],) if self.anchor in held else ())
+        self.store.drop_slot(slot, PARITY)
+        parity = self.memory.bytes_of(slot, PARITY).numpy()
+        data = self.memory.bytes_of(record.slot).numpy()
+        self.store.write_parity(self._column.protect(record, data, parity, slot, lengths, records, piece))
 
     def _confirm_same_version_everywhere(self, version: int) -> None:
-        """Job-wide: every rank committed (and protected) v. The next save waits for this
-        before overwriting the older slot, so a rank one save ahead of a peer that crashed
-        mid-copy still holds the version the peer has."""
-        lowest = torch.tensor([version], dtype=torch.int64)
-        dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self._gloo)
-        if int(lowest) != version:
-            raise FtmemError(f"ranks saved different versions at once (this rank {version}, another {int(lowest)}): "
-                             f"every rank must save the same version.")
+        """Job-wide: every rank committed and protected v. Only then is v the anchor, and the
+        older one's slot free on any rank."""
+        if self._all_min(version) != version:
+            raise FtmemError(f"ranks protected different versions at once (this rank {version}): every rank must "
+                             f"save the same versions.")
         if self._column is not None:
             self.store.write_protected(version)
 
     def flush_now(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
         """Write ``record``'s version to the persistent tier and wait for it (collective;
-        the save thread is idle). Raises if it could not be written."""
+        both threads are idle). Raises if it could not be written."""
         self.flusher.start(record.version, self._read_version(record, slot_bytes))
         self.flusher.wait()
         self.flusher.raise_failure()

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ftmem._engine.commit import Committer
+from ftmem._engine.commit import Committer, Lag
 from ftmem.config import FtmemConfig
 from ftmem._state.copier import capture_cuda_order
 from ftmem._state.destinations import RestoreTargets
@@ -122,7 +122,7 @@ class SnapshotEngine:
         self._smp = SmpClient(self.identity.node_dir, list(range(node * self.identity.ranks_per_node,
                                                                  (node + 1) * self.identity.ranks_per_node)))
         self._smp.request("hello", rank, os.getpid())
-        self.store = RankStore(self.identity.node_dir, rank)
+        self.store = RankStore(self.identity.node_dir, rank, self.config.slots)
         refuse_foreign_versions(self.store, self.identity, gloo)
         # This run's id, the same on every rank: with a count of its saves, it names each save
         # (CommitRecord.uid); a run that starts from scratch or from disk starts a timeline of that name.
@@ -134,10 +134,7 @@ class SnapshotEngine:
         self._committer = Committer(self.store, self.memory, column, gloo,
                                     lambda record, slot_bytes: self._restorer.read_version(record, slot_bytes,
                                                                                            torch.device("cpu")))
-        self._inflight: Optional[SaveHandle] = None
         self._planner = Planner()
-        self.protected: Optional[int] = None  # the newest version saved and protected, or resumed from
-        self.protected_saved: Optional[int] = None  # the newest version this run saved and protected
         self.lineage: Optional[VersionRef] = None  # recorded in each version (CommitRecord.lineage)
         self._closed = False
 
@@ -148,7 +145,8 @@ class SnapshotEngine:
     # -- save -----------------------------------------------------------------
     def save(self, state: Any, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
              persist: bool = False) -> SaveHandle:
-        """Start snapshotting ``state`` as ``version``; returns without waiting for the copy.
+        """Start snapshotting ``state`` as ``version``; returns without waiting for the copy,
+        and never for the protection of this or an earlier save (:mod:`ftmem._engine.commit`).
 
         ``replicated(t)`` says whether tensor ``t`` is identical on every replica of
         this rank's DP group (e.g. module weights under ZeRO 0-2); with DP sharding
@@ -156,37 +154,44 @@ class SnapshotEngine:
         back. Every replica must then hand in the same replicated tensors, in order.
 
         Until the returned handle's ``wait_reusable()`` returns, the tensors in
-        ``state`` must not be modified (call it before the optimizer step). The
-        previous save must be committed (and protected) by every rank; this call
-        waits for that, which in a training loop has happened during the
-        forward/backward. Versions increase; saving a version <= one already held
-        drops the held ones from there on (a timeline the job has abandoned).
+        ``state`` must not be modified (call it before the optimizer step). Every rank
+        saves the same versions, in increasing order; saving a version <= one already held
+        first waits for the saves in flight, then drops the held ones from there on (a
+        timeline the job has abandoned).
 
         With ``persist`` (the same on every rank) the version is also flushed to disk
-        once protected, whatever the interval of :meth:`persist_with`.
+        once protected (or the newer version protected in its place), whatever the
+        interval of :meth:`persist_with`.
         """
         if persist and self._committer.flusher is None:
             raise FtmemError("save(persist=True) needs a persistent tier: call persist_with first.")
-        self.wait()
+        self._committer.raise_failure()
         skeleton, tensors = split_state(state)
         flags = [bool(replicated(t)) for t in tensors] if (self._dp_shard and replicated) else None
         replica = (self.dp_peers.ranks.index(self.rank), len(self.dp_peers.ranks))
         plan = self._planner.plan(tensors, flags, replica)
+        if self._saved_at_or_after(version):
+            self.wait_idle()
+            self.store.drop_from(version)
+            self._committer.forget_from(version)
         self.memory.reserve(plan.nbytes, self._parity_estimate(plan.nbytes))
-        self.store.drop_from(version)
-        slot = self.store.free_slot()
-        slot_bytes = self.memory.bytes_of(slot)
-        if any(t.is_cuda for t in tensors):
-            self.memory.pin(slot_bytes)
         ref = self.next_save(version)
         self._saves, self.timeline = self._saves + 1, ref.timeline
-        record = CommitRecord(version=version, rank=self.rank, slot=slot, plan=plan, skeleton=skeleton,
+        # The slot is the copy thread's choice, made when the copy starts.
+        record = CommitRecord(version=version, rank=self.rank, slot=-1, plan=plan, skeleton=skeleton,
                               layout=self.layout, format=self.format, origin=self.identity.origin,
                               lineage=self.lineage, uid=ref.uid, timeline=ref.timeline)
         handle = SaveHandle(version, ref)
-        self._committer.start(handle, record, tensors, slot_bytes, capture_cuda_order(tensors), persist)
-        self._inflight = handle
+        self._committer.start(handle, record, tensors, capture_cuda_order(tensors), persist)
         return handle
+
+    def _saved_at_or_after(self, version: int) -> bool:
+        """Whether this job saved ``version`` or a newer one before: in this engine, else (its
+        first save) in memory, where a run before it left them."""
+        newest = self._committer.lag().newest_saved
+        if newest is not None:
+            return newest >= version
+        return any(v >= version for v in set(self.store.committed()) | set(self.store.parity_held()))
 
     def next_save(self, version: int) -> VersionRef:
         """The save that the next :meth:`save` of ``version`` makes: for what must name it before
@@ -202,22 +207,32 @@ class SnapshotEngine:
         saved with ``persist=True`` and every ``flusher.interval``-th one."""
         self._committer.flusher = flusher
 
-    def wait(self) -> None:
-        """Until the save in flight is committed by every rank, and protected (re-raises its error)."""
-        if self._inflight is not None:
-            handle, self._inflight = self._inflight, None
-            handle.wait_committed()
-            self.protected = self.protected_saved = handle.version
-
-    wait_protected = wait
+    def wait_protected(self) -> None:
+        """Until every save so far is protected by every rank, or passed over for a newer one
+        that is (re-raises the error of a save that failed). Training never needs this: an
+        end of the job, a restore, a flush do."""
+        self._committer.drain()
 
     def wait_idle(self) -> None:
-        """Until the save thread is idle (the save in flight protected, its flush handed over):
-        only then may another thread use ftmem's groups, which the save thread's collectives
-        would otherwise reach in another order on each rank (one rank's all_reduce met
-        another's all_gather: a hang, or numbers taken from the wrong call)."""
-        self.wait()
+        """Until the copy and protection threads are idle (every save protected or passed over, its flush
+        handed over): only then may another thread use ftmem's groups, which the protection
+        thread's collectives would otherwise reach in another order on each rank (one rank's
+        all_reduce met another's all_gather: a hang, or numbers taken from the wrong call)."""
         self._committer.drain()
+
+    @property
+    def protected(self) -> Optional[int]:
+        """The newest version saved and protected job-wide, or resumed from."""
+        return self._committer.anchor
+
+    @property
+    def protected_saved(self) -> Optional[int]:
+        """The newest version this engine saved and protected."""
+        return self._committer.protected_saved
+
+    def lag(self) -> Lag:
+        """How far protection is behind the saves (:class:`ftmem._engine.commit.Lag`)."""
+        return self._committer.lag()
 
     def wait_flushed(self) -> None:
         """Until every save so far is protected and any flush it started is on disk.
@@ -277,7 +292,7 @@ class SnapshotEngine:
         """The restore's first phase (collective): the version agreed on, checked and rebuilt,
         nothing copied yet (:meth:`ftmem._engine.restore.Restorer.choose`); None for a fresh job.
         With ``timeline``, versions of any other are not candidates."""
-        self.wait_idle()  # a save in flight commits first, and its thread leaves the groups to this one
+        self.wait_idle()  # the saves in flight are done with, and the protection thread leaves the groups to this one
         return self._restorer.choose(version, timeline)
 
     def versions_off(self, timeline: str) -> list[int]:
@@ -287,8 +302,11 @@ class SnapshotEngine:
     def read(self, chosen: Chosen, device: Union[str, torch.device] = "cpu", into: Any = None,
              drop_newer: bool = True) -> Restored:
         """The restore's second phase (collective): ``chosen`` copied out into the tensors
-        ``into`` names for :attr:`Chosen.saved`, else fresh memory."""
-        return self._restorer.read(chosen, torch.device(device), into, drop_newer)
+        ``into`` names for :attr:`Chosen.saved`, else fresh memory. Every rank holds the
+        version now: it stays until the job protects a newer one."""
+        restored = self._restorer.read(chosen, torch.device(device), into, drop_newer)
+        self._committer.keep(restored.version)
+        return restored
 
     # -- end --------------------------------------------------------------------
     def close(self, job_finished: bool = False) -> None:
@@ -318,7 +336,8 @@ class SnapshotEngine:
         it saves again that is its newest version, which a job ending without a save must keep in
         memory or flush, never free; and its next versions carry on ``lineage``
         (:mod:`ftmem._engine.elastic`) and the timeline."""
-        self.protected, self.lineage, self.timeline = version, lineage, timeline
+        self._committer.keep(version)
+        self.lineage, self.timeline = lineage, timeline
 
     def every_rank_finished(self, finished: bool) -> bool:
         """Whether every rank of the job says ``finished`` (collective, bounded by FINISH_TIMEOUT_S;

@@ -12,38 +12,40 @@ class SaveHandle:
     """A save of ``version`` in flight.
 
     * ``wait_reusable()``: this rank's bytes are in shared memory (checksumming and
-      committing them follow on the copy thread); the source tensors may be modified
-      again (call it before the optimizer step).
-    * ``wait_committed()``: every rank of the job has committed the version. Until
-      then no rank overwrites its older version, so that a crash at any moment
-      leaves one version that all ranks hold.
+      committing them follow on the copy thread), or the save was skipped; the source
+      tensors may be modified again (call it before the optimizer step).
+    * ``wait_protected()``: the job is done with the save: every rank protected it
+      (``protected`` is True), or it protected a newer save first, or skipped this one
+      (:mod:`ftmem._engine.commit`). The training never needs to wait for this.
 
-    ``copy_s`` and ``commit_s`` say how long each part took (None until it is done):
-    from the start of the copy to reusable, and from reusable to committed (checksum,
-    commit marker, parity, agreement).
+    ``copy_s`` and ``protect_s`` say how long each part took (None until it is done): from
+    the start of the copy to reusable, and from reusable to protected (checksum, commit
+    marker, the wait behind an older version's protection, parity, agreement).
     """
 
     def __init__(self, version: int, ref: Optional[VersionRef] = None):
         self.version = version
         self.ref = ref  # the save, told apart from any other of the same number (what stubs record)
         self._reusable = threading.Event()
-        self._committed = threading.Event()
+        self._done = threading.Event()
         self._error: Optional[BaseException] = None
         self._started = time.monotonic()
         self.copy_s: Optional[float] = None
-        self.commit_s: Optional[float] = None
+        self.protect_s: Optional[float] = None
+        self.skipped = False  # no slot was free: nothing was copied (two slots, a protection running)
+        self.protected = False  # this very save was protected (not only a newer one)
 
     def reusable(self) -> bool:
         return self._reusable.is_set()
 
-    def committed(self) -> bool:
-        return self._committed.is_set()
+    def done(self) -> bool:
+        return self._done.is_set()
 
     def wait_reusable(self, timeout: Optional[float] = None) -> None:
         self._wait(self._reusable, timeout, "copying")
 
-    def wait_committed(self, timeout: Optional[float] = None) -> None:
-        self._wait(self._committed, timeout, "waiting for the other ranks to commit it")
+    def wait_protected(self, timeout: Optional[float] = None) -> None:
+        self._wait(self._done, timeout, "waiting to be protected")
 
     def _wait(self, event: threading.Event, timeout: Optional[float], doing: str) -> None:
         if not event.wait(timeout):
@@ -51,16 +53,23 @@ class SaveHandle:
         if self._error is not None:
             raise self._error
 
-    # -- set by the engine's copy thread ---------------------------------------
+    # -- set by the engine's threads -------------------------------------------------
     def _set_reusable(self) -> None:
         self.copy_s = time.monotonic() - self._started
         self._reusable.set()
 
-    def _set_committed(self) -> None:
-        self.commit_s = time.monotonic() - self._started - self.copy_s
-        self._committed.set()
+    def _skip(self) -> None:
+        self.skipped = True
+        self.copy_s = 0.0
+        self._reusable.set()
+
+    def _set_done(self, protected: bool) -> None:
+        self.protected = protected
+        if protected:
+            self.protect_s = time.monotonic() - self._started - self.copy_s
+        self._done.set()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._reusable.set()
-        self._committed.set()
+        self._done.set()

@@ -367,12 +367,14 @@ class Restorer:
         """Give the members of this column lacking their parity of the version (the rebuilt
         ones) that parity, encoded again from the column's data (collective over the column):
         else the version survived no further node loss until the next save. Whether stored."""
-        made, parity = self._column.encode_again(record, self.memory.bytes_of(record.slot).numpy())
+        slot = self.store.free_slot(PARITY)
+        made, parity = self._column.encode_again(record, self.memory.bytes_of(record.slot).numpy(), slot)
         if not store:
             return False
         try:  # after the column's exchange: a failure here is this rank's alone
             self.memory.reserve(record.plan.nbytes, len(parity))
-            self.memory.bytes_of(record.slot, PARITY).numpy()[: len(parity)] = parity
+            self.store.drop_slot(slot, PARITY)
+            self.memory.bytes_of(slot, PARITY).numpy()[: len(parity)] = parity
             self.store.write_parity(made)
         except (FtmemError, OSError) as e:
             rank_warning(self.rank, "cannot store its parity of version %d after the rebuild (%s): the version is "

@@ -11,32 +11,35 @@ import os
 
 from ftmem.errors import ShmBudgetError
 from ftmem._shm.private import open_private
-from ftmem._shm.slots import DATA, NUM_SLOTS, PARITY, RankStore
+from ftmem._shm.slots import DATA, PARITY, RankStore
 from ftmem._common.units import fmt_bytes
 
 
 def allocate(store: RankStore, nbytes: int, parity_nbytes: int) -> None:
-    """Grow both data slots of ``store`` to ``nbytes`` and both parity slots to
-    ``parity_nbytes``. The budget counts two versions of data and parity."""
+    """Grow every data slot of ``store`` to ``nbytes`` and every parity slot to
+    ``parity_nbytes``. The budget counts every slot."""
     growth = {kind: max(0, want - store.capacity(kind)) for kind, want in ((DATA, nbytes), (PARITY, parity_nbytes))}
-    needed = NUM_SLOTS * sum(growth.values())
+    needed = sum(store.slots(kind) * grown for kind, grown in growth.items())
     if needed == 0:
         return
     st = os.statvfs(store.node_dir)
     free = st.f_bavail * st.f_frsize
     message = (
         f"shared memory too small: rank {store.rank} needs {fmt_bytes(needed)} more in {store.node_dir} "
-        f"({NUM_SLOTS} versions x ({fmt_bytes(nbytes)} data + {fmt_bytes(parity_nbytes)} parity)), "
+        f"({store.slots(DATA)} versions x {fmt_bytes(nbytes)} data + {store.slots(PARITY)} x "
+        f"{fmt_bytes(parity_nbytes)} parity), "
         f"but that filesystem has {fmt_bytes(free)} free. Enlarge it (docker run --shm-size=..., "
         f"or mount -o remount,size=... {os.path.dirname(os.path.dirname(os.path.dirname(store.node_dir)))}) "
-        f"or set \"shm_dir\" to a larger tmpfs."
+        f"or set \"shm_dir\" to a larger tmpfs"
+        + (f", or keep two versions (\"slots\": 2, --ftmem-slots 2: a save that comes while an older one is "
+           f"protected is then skipped)." if store.slots(DATA) > 2 else ".")
     )
     if needed > free:
         raise ShmBudgetError(message)
     for kind, size in ((DATA, nbytes), (PARITY, parity_nbytes)):
         if not growth[kind]:
             continue
-        for slot in range(NUM_SLOTS):
+        for slot in range(store.slots(kind)):
             fd = open_private(store.slot_path(slot, kind), os.O_RDWR | os.O_CREAT)
             try:
                 os.posix_fallocate(fd, 0, size)

@@ -78,7 +78,17 @@ def node_status(node: int, path: str) -> dict:
 
 def status(shm_dir: str, job: Optional[str] = None) -> dict:
     jobs = [job] if job else list_jobs(shm_dir)
-    return {"jobs": [{"job": j, "nodes": [node_status(n, p) for n, p in node_dirs(shm_dir, j)]} for j in jobs]}
+    return {"jobs": [job_status(j, [node_status(n, p) for n, p in node_dirs(shm_dir, j)]) for j in jobs]}
+
+
+def job_status(job: str, nodes: list[dict]) -> dict:
+    """One job's entry of ``ftmem status --json``: its nodes, and the newest version every
+    node holds whole next to the newest one protected on every node (protection runs behind
+    the saves: the difference is how far)."""
+    held = set.intersection(*(set(n["versions"]) for n in nodes)) if nodes else set()
+    protected = [n["protected"] for n in nodes]
+    return {"job": job, "newest_held": max(held, default=None),
+            "newest_protected": None if not protected or None in protected else min(protected), "nodes": nodes}
 
 
 def lose_node(shm_dir: str, job: str, node: int) -> None:

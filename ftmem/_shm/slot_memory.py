@@ -11,6 +11,7 @@ view; :meth:`SlotMemory.unmap` closes them at the end, once no other thread runs
 from __future__ import annotations
 
 import mmap
+import threading
 from typing import Optional
 
 import torch
@@ -25,19 +26,23 @@ class SlotMemory:
     def __init__(self, store: RankStore, smp: SmpClient):
         self.store, self._smp = store, smp
         self._maps: dict[tuple[str, int], tuple[mmap.mmap, torch.Tensor]] = {}
+        # The training thread, the copy thread and the protection thread all map and grow
+        # slots; the SMP's connection takes one request at a time.
+        self._lock = threading.RLock()
         self._pinning: Optional[CudaPinning] = CudaPinning() if torch.cuda.is_available() else None
 
     def reserve(self, nbytes: int, parity_nbytes: int) -> None:
         """Have the SMP grow the slots to hold ``nbytes`` of data and ``parity_nbytes`` of
         parity (it checks the shared-memory budget first)."""
-        # A removed node directory has no slot files: never take that for slots to grow.
-        self._smp.check_node_dir()
-        store = self.store
-        grow = [kind for kind, want in ((DATA, nbytes), (PARITY, parity_nbytes)) if store.capacity(kind) < want]
-        if grow:
-            self._forget(grow)  # a grown file needs a new mapping
-            self._smp.request("alloc", store.rank, max(nbytes, store.capacity(DATA)),
-                              max(parity_nbytes, store.capacity(PARITY)))
+        with self._lock:
+            # A removed node directory has no slot files: never take that for slots to grow.
+            self._smp.check_node_dir()
+            store = self.store
+            grow = [kind for kind, want in ((DATA, nbytes), (PARITY, parity_nbytes)) if store.capacity(kind) < want]
+            if grow:
+                self._forget(grow)  # a grown file needs a new mapping
+                self._smp.request("alloc", store.rank, max(nbytes, store.capacity(DATA)),
+                                  max(parity_nbytes, store.capacity(PARITY)), store.data_slots)
 
     def removed_error(self) -> Optional[SharedMemoryRemoved]:
         """The error to stop with if the node directory went away under the job, else None."""
@@ -45,11 +50,12 @@ class SlotMemory:
 
     def bytes_of(self, slot: int, kind: str = DATA) -> torch.Tensor:
         """The slot file as a writable uint8 tensor over shared memory."""
-        if (kind, slot) not in self._maps:
-            self._smp.check_node_dir()
-            mm = self.store.map_slot(slot, writable=True, kind=kind)
-            self._maps[(kind, slot)] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
-        return self._maps[(kind, slot)][1]
+        with self._lock:
+            if (kind, slot) not in self._maps:
+                self._smp.check_node_dir()
+                mm = self.store.map_slot(slot, writable=True, kind=kind)
+                self._maps[(kind, slot)] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+            return self._maps[(kind, slot)][1]
 
     def pin(self, slot_bytes: torch.Tensor) -> None:
         """Register a mapped slot as pinned host memory (once), so CUDA copies into it are DMA."""

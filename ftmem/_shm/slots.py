@@ -1,17 +1,20 @@
 """Storage: one rank's versions in its node's shared-memory directory.
 
-Each rank owns two slot files (double buffering). Version v is visible only through
+Each rank owns three data slot files (or two: ``"slots"``) and two parity slot files:
+the newest protected version's, the one being protected, and the newest copy (see
+:mod:`ftmem._engine.commit`). Version v is visible only through
 its commit marker, written atomically (temporary name, then rename) after all of
 v's bytes are in the slot; the marker holds the checksum of those bytes, taken by the
 writer before the marker exists, so no version ever counts as committed without one.
-With erasure coding, each data slot has a parity slot beside it, holding the parity
-pieces this rank keeps for its EC group's version in that slot. Files::
+With erasure coding, the parity slots hold the parity pieces this rank keeps for its EC
+group's versions, apart from the data slots: only the protected version and the one being
+protected have parity. Files::
 
-    rank00003.slot0 / rank00003.slot1          raw tensor bytes of one version each
+    rank00003.slot0 / .slot1 / .slot2          raw tensor bytes of one version each
     rank00003.v000000000012.s1.commit          marker: the skeleton, byte plan and data checksum
                                                of v12, in slot 1
-    rank00003.parity0 / rank00003.parity1      parity pieces, for the version in the same slot
-    rank00003.v000000000012.s1.parity          marker: the EC geometry (k, m, nodes, piece size,
+    rank00003.parity0 / rank00003.parity1      parity pieces of one version each
+    rank00003.v000000000012.s0.parity          marker: parity of v12 in parity slot 0, the EC geometry (k, m, nodes, piece size,
                                                members' lengths), members' commit records,
                                                checksums of the pieces
 
@@ -39,14 +42,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ftmem.config import DATA_SLOTS
 from ftmem._state.checksum import checked, with_checksum
 from ftmem.errors import CorruptShard
 from ftmem._state.plan import SnapshotPlan
 from ftmem._common.parallel import ParallelLayout
 from ftmem._shm.private import open_private, read_private, unlink_if_present, write_atomically
 
-NUM_SLOTS = 2
 DATA, PARITY = "slot", "parity"
+PARITY_SLOTS = 2  # the protected version's and the one being protected
 _MARKER_RE = re.compile(r"^rank(\d{5})\.v(\d{12})\.s(\d)\.(commit|parity)$")
 # Bumped whenever a record's fields change meaning: a reader refuses what it does not know.
 # 2: a commit record's checksum is ftmem._state.checksum.data_checksum (of chunks), no longer one xxh3.
@@ -126,9 +130,10 @@ class RankStore:
     checksums is :mod:`ftmem._shm.integrity`; allocating the slots is the SMP's
     (:mod:`ftmem._shm.allocation`)."""
 
-    def __init__(self, node_dir: str, rank: int):
+    def __init__(self, node_dir: str, rank: int, data_slots: int = DATA_SLOTS):
         self.node_dir = node_dir
         self.rank = rank
+        self.data_slots = data_slots
         self._prefix = os.path.join(node_dir, f"rank{rank:05d}")
 
     # -- paths -------------------------------------------------------------
@@ -158,16 +163,20 @@ class RankStore:
         """Versions this rank holds parity for, mapped to the parity slot."""
         return self._markers("parity")
 
-    def free_slot(self) -> int:
-        """The slot to write next: never the one holding the newest committed version."""
-        held = self.committed()
-        if not held:
-            return 0
-        return 1 - held[max(held)]
+    def slots(self, kind: str = DATA) -> int:
+        return self.data_slots if kind == DATA else PARITY_SLOTS
+
+    def free_slot(self, kind: str = DATA, keep: tuple[int, ...] = ()) -> Optional[int]:
+        """A slot of ``kind`` to write next, none of ``keep``: one that holds no version, else
+        the one holding the oldest; None if every slot is kept."""
+        held = {slot: version for version, slot in self._markers("commit" if kind == DATA else "parity").items()}
+        candidates = [s for s in range(self.slots(kind)) if s not in keep]
+        empty = [s for s in candidates if s not in held]
+        return empty[0] if empty else min(candidates, key=held.__getitem__, default=None)
 
     def capacity(self, kind: str = DATA) -> int:
         try:
-            return min(os.path.getsize(self.slot_path(s, kind)) for s in range(NUM_SLOTS))
+            return min(os.path.getsize(self.slot_path(s, kind)) for s in range(self.slots(kind)))
         except FileNotFoundError:
             return 0
 
@@ -184,14 +193,13 @@ class RankStore:
         if slot is not None:
             unlink_if_present(self.parity_marker_path(version, slot))
 
-    def drop_slot(self, slot: int) -> None:
-        """Before slot ``slot`` (data and parity) is overwritten: drop what it held."""
-        for version, s in self.committed().items():
+    def drop_slot(self, slot: int, kind: str = DATA) -> None:
+        """Before slot ``slot`` of ``kind`` is overwritten: what it held becomes invisible
+        (a version's data and its parity live in slots of their own)."""
+        marker = self.commit_path if kind == DATA else self.parity_marker_path
+        for version, s in self._markers("commit" if kind == DATA else "parity").items():
             if s == slot:
-                self.drop(version)
-        for version, s in self.parity_held().items():
-            if s == slot:
-                self.drop_parity(version)
+                unlink_if_present(marker(version, slot))
 
     def drop_from(self, version: int) -> None:
         """Drop every held version >= ``version`` (an abandoned future after a restore)."""

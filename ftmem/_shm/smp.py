@@ -12,7 +12,7 @@ Started by :func:`ftmem._shm.smp_client.ensure_smp` as ``main(["--node-dir", D, 
 Requests, as JSON arrays over a ``multiprocessing.connection`` on the Unix socket
 ``smp.sock`` in the node directory (``send_bytes``/``recv_bytes``: never a pickle, which
 would run code on receipt):
-``["alloc", rank, nbytes, parity_nbytes]``, ``["hello", rank, pid]``, ``["finished", rank]``,
+``["alloc", rank, nbytes, parity_nbytes, data_slots]``, ``["hello", rank, pid]``, ``["finished", rank]``,
 ``["ping"]``. Replies are ``["ok", ...]`` or ``["err", kind, msg]``. While it works on a slow
 request (an allocation of large slots) the SMP sends ``BUSY`` every ``KEEPALIVE_S``, so a
 rank can bound how long it waits for a word (:mod:`ftmem._shm.smp_client`) without bounding the
@@ -49,7 +49,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from typing import Iterator, Optional
 
 from ftmem._common import testhooks
-from ftmem.config import seconds_from_env
+from ftmem.config import SLOT_CHOICES, seconds_from_env
 from ftmem.errors import FtmemError
 from ftmem._shm.private import (check_private_dir, open_private, read_private, unlink_if_present, write_atomically,
                                 write_new)
@@ -76,7 +76,7 @@ MAX_HANDSHAKES = 64  # connections proving it at once: a node's ranks connect at
 GRACE_ENV = "FTMEM_SMP_GRACE_S"
 GRACE_S = 600.0  # how long an SMP waits for a rank to come back once none runs
 # (request kind, types of its arguments after the kind)
-_REQUESTS = {"ping": (), "alloc": (int, int, int), "hello": (int, int), "finished": (int,)}
+_REQUESTS = {"ping": (), "alloc": (int, int, int, int), "hello": (int, int), "finished": (int,)}
 
 
 @contextlib.contextmanager
@@ -180,9 +180,11 @@ class SnapshotManager:
         if rank not in self.ranks:
             raise ValueError(f"rank {rank} is not one of this node's ranks {self.ranks}")
         if kind == "alloc":
-            _, _, nbytes, parity_nbytes = msg
+            _, _, nbytes, parity_nbytes, data_slots = msg
+            if data_slots not in SLOT_CHOICES:
+                raise ValueError(f"{data_slots} data slots asked; ftmem keeps one of {SLOT_CHOICES}")
             with self._lock:
-                allocate(RankStore(self.node_dir, rank), nbytes, parity_nbytes)
+                allocate(RankStore(self.node_dir, rank, data_slots), nbytes, parity_nbytes)
             return ("ok",)
         if kind == "hello":
             pid = msg[2]

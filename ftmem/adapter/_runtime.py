@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ftmem._common import testhooks
 from ftmem.config import FtmemConfig
+from ftmem._engine.commit import Lag
 from ftmem._engine.elastic import Adopted, OtherWorlds, adopt, ancestors, free_jobs
 from ftmem._engine.engine import SnapshotEngine
 from ftmem.errors import FtmemError, LayoutMismatch, NotRecoverableFromMemory
@@ -171,7 +172,7 @@ class AdapterRuntime:
         self._handle = self._engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
                                         persist=persist)
         self._kept_newer = []  # the save dropped every version >= its own
-        self._free_superseded_once_protected()  # the save waited for the last one
+        self._free_superseded_once_protected()  # once the protection thread protected a save of this job
         return self._handle
 
     def next_save(self, version: int) -> VersionRef:
@@ -199,8 +200,13 @@ class AdapterRuntime:
         optimizer.step = step
 
     def wait_protected(self) -> None:
-        """Until every save so far is committed and protected on every rank."""
+        """Until every save so far is protected on every rank, or passed over for a newer one
+        that is (never needed by training: protection runs behind the saves)."""
         self._engine.wait_protected()
+
+    def lag(self) -> Lag:
+        """How far protection is behind the saves (:class:`ftmem._engine.commit.Lag`)."""
+        return self._engine.lag()
 
     def wait_flushed(self) -> None:
         """Until every save so far is protected and any flush it started is on disk."""
@@ -365,7 +371,7 @@ class AdapterRuntime:
         no collective (:mod:`ftmem._shm.held`), for a read that some ranks make alone; with
         ``uid``, only that save of it (FtmemError for another run's). None where some rank's
         node memory is not on this host: only a collective can read it then."""
-        self._engine.wait_idle()  # this rank's save in flight is committed, by every rank
+        self._engine.wait_idle()  # every save so far is protected (or passed over) by every rank
         held = HeldJob(self.identity.shm_dir, self.identity.job)
         try:
             version, record = held.choose(version)
@@ -389,7 +395,7 @@ class AdapterRuntime:
         return first_problem(problem, self._engine.job_group)
 
     def gather(self, obj: Any) -> list:
-        """Every rank's ``obj``, by rank (collective over the job's gloo group, once the save thread is idle)."""
+        """Every rank's ``obj``, by rank (collective over the job's gloo group, once the protection thread is idle)."""
         self._engine.wait_idle()
         return gather(obj, self._engine.job_group)
 

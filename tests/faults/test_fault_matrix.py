@@ -73,7 +73,8 @@ def hooks(tmp_path):
 
 
 def new_job(shm_dir, tmp_path) -> TrainJob:
-    return TrainJob(shm_dir, tmp_path / "run", WORLD, ec=EC)
+    """Every version protected in turn, so that a kill point names the version it stops."""
+    return TrainJob(shm_dir, tmp_path / "run", WORLD, ec=EC, protect_each=True)
 
 
 def hook(point, action, version, hook_dir, ranks=ALL) -> dict:
@@ -131,7 +132,7 @@ def test_one_rank_killed_between_saves_costs_no_version(shm_dir, tmp_path, refer
         smps = {n: job.nodes()[n]["smp_pid"] for n in ALL}
         run.kill(1)
         assert {n: job.nodes()[n]["smp_pid"] for n in ALL} == smps and pid_alive(smps[1])
-        assert [job.nodes()[n]["protected"] for n in ALL] == [5, 5, 5] and job.held(1) == [4, 5]
+        assert [job.nodes()[n]["protected"] for n in ALL] == [5, 5, 5] and job.held(1) == [3, 4, 5]
     job.restart_and_check(reference, expect_version=5)
 
 
@@ -149,7 +150,7 @@ def test_all_ranks_killed_at(point, smps_too, expect, shm_dir, tmp_path, hooks, 
             for node in ALL:
                 kill_smp(job, node)
         run.kill_all()
-    assert [job.held(n) for n in ALL] == [[5] if point == "mid_copy" else [5, 6]] * WORLD
+    assert [job.held(n) for n in ALL] == [[4, 5] if point == "mid_copy" else [4, 5, 6]] * WORLD
     job.restart_and_check(reference, expect_version=expect)  # with new SMPs, where they were killed
 
 
@@ -164,7 +165,7 @@ def test_a_node_lost_mid_copy(shm_dir, tmp_path, hooks, reference):
         run.kill(1)
         job.lose_node(1)
         stop_by_themselves(run, [0, 2])
-    assert job.held(0) == job.held(2) == [5, 6]
+    assert job.held(0) == job.held(2) == [4, 5, 6]
     job.restart_and_check(reference, expect_version=5, rebuilt_ranks={1})
 
 
@@ -191,7 +192,7 @@ def test_an_smp_killed_before_the_end_of_the_job_still_frees_its_memory(shm_dir)
     close in two)."""
     for _ in range(5):
         engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job_id(), "ranks_per_node": 1}, rank=0, world_size=1)
-        engine.save({"w": torch.zeros(1 << 16)}, 1).wait_committed()
+        engine.save({"w": torch.zeros(1 << 16)}, 1).wait_protected()
         pid = running_smp(engine.identity.node_dir)
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: not pid_alive(pid), TIMEOUT, f"SMP {pid} to die")
@@ -209,7 +210,7 @@ def test_one_rank_killed_mid_exchange(shm_dir, tmp_path, hooks, reference):
         wait_until(lambda: run.procs[1].poll() is not None, TIMEOUT, "rank 1 to die mid-exchange of version 6")
         assert run.procs[1].returncode == -signal.SIGKILL
         stop_by_themselves(run, [0, 2])
-    assert [job.held(n) for n in ALL] == [[5, 6]] * WORLD
+    assert [job.held(n) for n in ALL] == [[4, 5, 6]] * WORLD
     job.restart_and_check(reference, expect_version=6)
 
 
@@ -222,7 +223,7 @@ def test_all_ranks_killed_mid_exchange_then_nodes_lost(lost, shm_dir, tmp_path, 
     with job.start(rank_env=hook("mid_exchange", "pause", 6, hooks)) as run:
         run.wait_for(paused(hooks, 6), TIMEOUT, "every rank to pause mid-exchange of version 6")
         run.kill_all()
-    assert [job.held(n) for n in ALL] == [[5, 6]] * WORLD
+    assert [job.held(n) for n in ALL] == [[4, 5, 6]] * WORLD
     assert [job.nodes()[n]["protected"] for n in ALL] == [5] * WORLD
     for node in range(lost):
         job.lose_node(node)
@@ -232,7 +233,7 @@ def test_all_ranks_killed_mid_exchange_then_nodes_lost(lost, shm_dir, tmp_path, 
         job.restart_and_check(reference, expect_version=5, rebuilt_ranks={0})
     else:
         refuses(job, "EC group of nodes [0, 1, 2] (k=2, m=1) lacks node(s) [0, 1]")
-        assert job.held(2) == [5, 6]  # a refusal deletes nothing
+        assert job.held(2) == [4, 5, 6]  # a refusal deletes nothing
 
 
 # -- mid-restore --------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ def test_all_ranks_killed_mid_restore(shm_dir, tmp_path, hooks, reference):
     with job.start(rank_env=hook("mid_restore", "pause", 5, hooks)) as run:
         run.wait_for(paused(hooks, 5), TIMEOUT, "every rank to pause restoring version 5")
         run.kill_all()
-    assert [job.held(n) for n in ALL] == [[4, 5]] * WORLD
+    assert [job.held(n) for n in ALL] == [[3, 4, 5]] * WORLD
     job.restart_and_check(reference, expect_version=5)
 
 
@@ -255,7 +256,7 @@ def test_one_rank_killed_mid_restore(shm_dir, tmp_path, hooks, reference):
         wait_until(lambda: run.procs[1].poll() is not None, TIMEOUT, "rank 1 to die restoring version 5")
         assert run.procs[1].returncode == -signal.SIGKILL
         stop_by_themselves(run, [0, 2])
-    assert [job.held(n) for n in ALL] == [[4, 5]] * WORLD
+    assert [job.held(n) for n in ALL] == [[3, 4, 5]] * WORLD
     job.restart_and_check(reference, expect_version=5)
 
 
@@ -277,7 +278,7 @@ def test_a_rank_lost_while_ftmem_makes_its_groups_stops_the_others_in_bounded_ti
                 run.log(rank)[-3000:]
         if action == "pause":
             assert run.procs[1].poll() is None  # it hangs, as a stopped process does, until the launcher kills it
-    assert [job.held(n) for n in ALL] == [[4, 5]] * WORLD
+    assert [job.held(n) for n in ALL] == [[3, 4, 5]] * WORLD
     job.restart_and_check(reference, expect_version=5)
 
 
@@ -292,7 +293,7 @@ def test_the_rank_being_rebuilt_killed_mid_rebuild(shm_dir, tmp_path, hooks, ref
         wait_until(lambda: run.procs[1].poll() is not None, TIMEOUT, "rank 1 to die rebuilding version 5")
         assert run.procs[1].returncode == -signal.SIGKILL
         stop_by_themselves(run, [0, 2])
-    assert job.held(1) == [] and job.held(0) == job.held(2) == [4, 5]
+    assert job.held(1) == [] and job.held(0) == job.held(2) == [3, 4, 5]
     job.restart_and_check(reference, expect_version=5, rebuilt_ranks={1})
 
 
@@ -312,7 +313,7 @@ def test_a_rebuilt_rank_that_cannot_store_its_data_stops_every_rank_with_the_rea
         stop_by_themselves(run, range(WORLD))
     for rank in range(WORLD):
         assert "version 5 cannot be rebuilt from memory: rank 1 could not store its rebuilt data" in job.log(rank)
-    assert job.held(0) == job.held(2) == [4, 5]
+    assert job.held(0) == job.held(2) == [3, 4, 5]
     job.restart_and_check(reference, expect_version=5, rebuilt_ranks={1})
 
 

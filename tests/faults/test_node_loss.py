@@ -114,7 +114,7 @@ engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job, "ranks_per_node": 1,
                          "ec": {"k": k, "m": m}})
 mine = torch.randint(0, 256, (50_000 + 7_777 * rank,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
 if phase == "save":
-    engine.save({"bytes": mine}, 1).wait_committed()
+    engine.save({"bytes": mine}, 1).wait_protected()
     engine.close()  # the memory stays, as after a crash
 else:
     restored = engine.restore()

@@ -61,7 +61,7 @@ def test_cuda_tensors_are_restored_bitwise(device, shm_dir):
     state = cuda_state()
     e = engine(shm_dir, f"gpu-roundtrip-{device}")
     try:
-        e.save(state, 1).wait_committed()
+        e.save(state, 1).wait_protected()
         restored = e.restore(device=device)
         assert restored.version == 1
         assert_bitwise(restored.state, state, device)
@@ -79,11 +79,11 @@ def test_a_kill_while_device_copies_are_in_flight_leaves_the_older_version(shm_d
         from tests.gpu.test_gpu import cuda_state, engine
         e = engine({shm_dir!r}, {job!r})
         state = cuda_state()
-        e.save(state, 1).wait_committed()
+        e.save(state, 1).wait_protected()
         for t in state.values():
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 t.add_(1)  # version 2 differs from version 1
-        e.save(state, 2).wait_committed()
+        e.save(state, 2).wait_protected()
         print("not killed")
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),  # test_gpu's conftest
@@ -130,16 +130,16 @@ def test_the_snapshot_copy_runs_beside_the_training_stream_s_kernels(shm_dir):
         # Allocate and pin both slots first: the first copy into a just-pinned slot holds up
         # the training thread's kernel launches (docs/limits.md).
         for version in range(2):
-            e.save(state, version).wait_committed()
+            e.save(state, version).wait_protected()
         products()  # cuBLAS's kernels load lazily (over 100 ms)
         alone_ms, _, _ = products()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         e.save(state, 2).wait_reusable()
         copy_ms = (time.perf_counter() - t0) * 1e3
-        e.wait()
+        e.wait_protected()
         with_save_ms, copied_while_running, handle = products(lambda: e.save(state, 3))
-        handle.wait_committed()
+        handle.wait_protected()
         assert copied_while_running, (alone_ms, copy_ms, with_save_ms)
         assert with_save_ms < alone_ms + 0.5 * copy_ms, (alone_ms, copy_ms, with_save_ms)
     finally:

@@ -17,13 +17,17 @@ ITERS, TIMEOUT = 10, 240
 class TrainJob:
     """One job identity of the toy trainer: its world, node layout, EC and folders."""
 
-    def __init__(self, shm_dir, out, world, ranks_per_node=1, ec=None):
+    def __init__(self, shm_dir, out, world, ranks_per_node=1, ec=None, protect_each=False):
+        """``protect_each``: every version is protected in turn (toy_train --protect-each), for
+        tests that stop a rank at one version's protection step."""
         self.shm_dir, self.out, self.world, self.rpn = shm_dir, str(out), world, ranks_per_node
         self.job = job_id()
         self.args = ["--iters", str(ITERS), "--ranks-per-node", str(ranks_per_node), "--shm-dir", shm_dir,
                      "--out", self.out]
         if ec:
             self.args += ["--ec-k", str(ec[0]), "--ec-m", str(ec[1])]
+        if protect_each:
+            self.args.append("--protect-each")
 
     def start(self, *extra, rank_env=None) -> LocalJob:
         return LocalJob("examples.engine.toy_train", self.args + list(extra), self.world, self.job, self.out,
@@ -41,8 +45,12 @@ class TrainJob:
     def log(self, rank) -> str:
         return LocalJob.read_log(self.out, rank)
 
+    def status(self) -> dict:
+        """The job's entry of ``ftmem status --json``."""
+        return jobs.status(self.shm_dir, self.job)["jobs"][0]
+
     def nodes(self) -> dict:
-        return {n["node"]: n for n in jobs.status(self.shm_dir, self.job)["jobs"][0]["nodes"]}
+        return {n["node"]: n for n in self.status()["nodes"]}
 
     def held(self, node) -> list[int]:
         return self.nodes().get(node, {}).get("versions", [])

@@ -44,8 +44,9 @@ def one_line_refusal(out) -> str:
     ({"ranks_per_node": 2.0}, '"ftmem.ranks_per_node" must be an integer >= 1 (or leave it out), got 2.0.'),
     ({"dp_shard": 1}, '"ftmem.dp_shard" must be one of "auto", "on", "off", got 1.'),
     ({"allow_disk_fallback": "yes"}, '"ftmem.allow_disk_fallback" must be true or false, got "yes".'),
-    ([("ec", 1)], '"ftmem" must be an object with the keys ec, ranks_per_node, shm_dir, dp_shard, persist, job_id, '
-                  'allow_disk_fallback, got [["ec", 1]].'),
+    ({"slots": 4}, '"ftmem.slots" must be one of 2, 3, got 4.'),
+    ([("ec", 1)], '"ftmem" must be an object with the keys ec, ranks_per_node, shm_dir, dp_shard, persist, slots, '
+                  'job_id, allow_disk_fallback, got [["ec", 1]].'),
     ("ftmem", '"ftmem" must be an object with the keys'),
 ])
 def test_a_bad_config_value_names_its_key_the_value_and_what_is_allowed(section, message):
@@ -177,7 +178,7 @@ def test_clean_frees_only_what_it_was_asked_to(shm_dir):
     with status 0. Both are refused now, and the job held stays."""
     job = job_id()
     engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job, "ranks_per_node": 1}, rank=0, world_size=1)
-    engine.save({"w": torch.zeros(4)}, 1).wait_committed()
+    engine.save({"w": torch.zeros(4)}, 1).wait_protected()
     engine.close()
     assert one_line_refusal(run_cli("clean", "--shm-dir", shm_dir, "--all", "--job", job)) == \
         "ftmem clean: argument --job: not allowed with argument --all (see ftmem clean --help)"
@@ -206,7 +207,7 @@ def held_job(shm_dir, monkeypatch):
     engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job, "ranks_per_node": 1}, rank=0, world_size=1,
                             format="deepspeed")
     engine.save({"tag": "global_step6", "rng": {}, "files": {
-        "ckpt/global_step6/mp_rank_00_model_states.pt": {"module": {"w": torch.arange(6.0)}}}}, 6).wait_committed()
+        "ckpt/global_step6/mp_rank_00_model_states.pt": {"module": {"w": torch.arange(6.0)}}}}, 6).wait_protected()
     engine.close()  # the job ends without finishing: its memory stays
     return job
 

@@ -23,14 +23,15 @@ def reference(tmp_path_factory):
 def test_killed_between_saves(shm_dir, tmp_path, reference):
     job = TrainJob(shm_dir, tmp_path, WORLD)
     job.run_until_stopped(after=5)
-    assert job.held(0) == job.held(1) == [4, 5]
+    assert job.held(0) == job.held(1) and job.held(0)[-1] == 5 and len(job.held(0)) <= 3
     assert job.nodes()[0]["protected"] == 5  # mirrored to the other node (k=1, m=1 on 2 nodes)
     job.restart_and_check(reference, expect_version=5)
 
 
 def test_killed_in_the_middle_of_a_copy_never_resumes_from_a_mix(shm_dir, tmp_path, reference):
     """Rank 1 is paused halfway through copying version 6 while rank 0 commits 6 and
-    goes on: the job must agree on version 5, the newest that both ranks hold."""
+    goes on (to 7, as far as the training's collectives let it): the job must agree on
+    the newest version that both ranks hold, older than 6."""
     job, hooks = TrainJob(shm_dir, tmp_path / "out", WORLD), str(tmp_path / "hooks")
     os.makedirs(hooks)
     pause = {1: {"FTMEM_TEST_HOOK": "mid_copy:pause:rank=1:version=6", "FTMEM_TEST_HOOK_DIR": hooks}}
@@ -39,8 +40,9 @@ def test_killed_in_the_middle_of_a_copy_never_resumes_from_a_mix(shm_dir, tmp_pa
         run.wait_for(lambda: 6 in job.held(0), TIMEOUT, "rank 0 to commit version 6")
         run.kill(0)
         run.kill(1)
-    assert job.held(0) == [5, 6] and job.held(1) == [5]
-    job.restart_and_check(reference, expect_version=5)
+    both = set(job.held(0)) & set(job.held(1))
+    assert 6 in job.held(0) and 6 not in job.held(1) and both, (job.held(0), job.held(1))
+    job.restart_and_check(reference, expect_version=max(both))
 
 
 def test_killed_right_after_a_commit(shm_dir, tmp_path, reference):

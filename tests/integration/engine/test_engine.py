@@ -81,7 +81,7 @@ def assert_same_state(got, want):
 def test_restore_is_bitwise_with_structure_dtypes_and_parameters_kept(shm_dir):
     engine = make_engine(shm_dir)
     state = rich_state(1)
-    engine.save(state, 1).wait_committed()
+    engine.save(state, 1).wait_protected()
     restored = engine.restore()
     assert restored.version == 1
     assert_same_state(restored.state, state)
@@ -96,7 +96,7 @@ def test_a_restore_writes_into_the_tensors_the_framework_names_where_they_fit(sh
     those objects; the rest are restored into fresh memory, and a misfit is left untouched."""
     engine = make_engine(shm_dir)
     state = rich_state(2)
-    engine.save(state, 1).wait_committed()
+    engine.save(state, 1).wait_protected()
     fits, frozen = torch.zeros(64, 32), torch.nn.Parameter(torch.zeros(2), requires_grad=False)
     flat = torch.zeros(12, dtype=torch.int64)  # two windows of one buffer, overlapping
     misfits = {"bf16": torch.zeros(33), "transposed": torch.zeros(16, 8).t(), "param": torch.zeros(3),
@@ -122,20 +122,20 @@ def test_a_restore_writes_into_the_tensors_the_framework_names_where_they_fit(sh
     engine.close(job_finished=True)
 
 
-def test_double_buffering_keeps_two_versions_and_reuses_the_buffers(shm_dir):
+def test_slots_keep_three_versions_and_reuse_the_buffers(shm_dir):
     engine = make_engine(shm_dir)
     state = rich_state(0)
-    engine.save(state, 1).wait_committed()
-    engine.save(state, 2).wait_committed()
-    slots = [engine.store.slot_path(s) for s in (0, 1)]
+    for version in (1, 2, 3):
+        engine.save(state, version).wait_protected()
+    slots = [engine.store.slot_path(s) for s in (0, 1, 2)]
     first = [(os.stat(p).st_ino, os.stat(p).st_size) for p in slots]
-    mapped = [engine.memory._maps[("slot", s)][0] for s in (0, 1)]
-    for version in range(3, 7):
+    mapped = [engine.memory._maps[("slot", s)][0] for s in (0, 1, 2)]
+    for version in range(4, 8):
         state["fp32"].add_(1)
-        engine.save(state, version).wait_committed()
-    assert engine.versions() == [5, 6]
+        engine.save(state, version).wait_protected()
+    assert engine.versions() == [5, 6, 7]
     assert [(os.stat(p).st_ino, os.stat(p).st_size) for p in slots] == first  # no new allocation
-    assert [engine.memory._maps[("slot", s)][0] for s in (0, 1)] == mapped  # the same mappings, reused
+    assert [engine.memory._maps[("slot", s)][0] for s in (0, 1, 2)] == mapped  # the same mappings, reused
     assert torch.equal(engine.restore().state["fp32"], state["fp32"])
     engine.close(job_finished=True)
 
@@ -147,7 +147,7 @@ def test_source_may_change_once_reusable_without_touching_the_snapshot(shm_dir):
     handle = engine.save(state, 1)
     handle.wait_reusable()
     state["w"].mul_(-1)  # what the optimizer step does next
-    handle.wait_committed()
+    handle.wait_protected()
     assert torch.equal(engine.restore().state["w"], expected)
     engine.close(job_finished=True)
 
@@ -176,7 +176,7 @@ def test_a_plan_is_reused_only_while_every_tensor_keeps_its_dtype_shape_and_kind
                         classmethod(lambda cls, *a: planned.append(version) or make_plan(cls, *a)))
     for version, make in enumerate(changes, start=1):
         state = make()
-        engine.save(state, version).wait_committed()
+        engine.save(state, version).wait_protected()
         assert_same_state(engine.restore(drop_newer=False).state, state)
     assert planned == [1, 3, 4, 5, 6, 7, 8]  # not for 2 and 9, where nothing changed
     engine.close(job_finished=True)
@@ -209,7 +209,7 @@ import torch
 from ftmem import SnapshotEngine
 e = SnapshotEngine({{"shm_dir": {shm_dir!r}, "job_id": {job!r}, "ranks_per_node": 1}}, rank=0, world_size=1)
 for v in (10, 11):
-    e.save({{"w": torch.full((100,), float(v))}}, v).wait_committed()
+    e.save({{"w": torch.full((100,), float(v))}}, v).wait_protected()
 import os, signal; os.kill(os.getpid(), signal.SIGKILL)
 """], timeout=120)
     assert writer.returncode == -signal.SIGKILL
@@ -228,8 +228,8 @@ def test_nothing_held_restores_none(shm_dir):
 def test_saving_an_older_version_drops_the_abandoned_newer_ones(shm_dir):
     engine = make_engine(shm_dir)
     for v in (5, 6):
-        engine.save({"v": torch.tensor(v)}, v).wait_committed()
-    engine.save({"v": torch.tensor(3)}, 3).wait_committed()  # e.g. resumed from an older disk checkpoint
+        engine.save({"v": torch.tensor(v)}, v).wait_protected()
+    engine.save({"v": torch.tensor(3)}, 3).wait_protected()  # e.g. resumed from an older disk checkpoint
     assert engine.versions() == [3]
     engine.close(job_finished=True)
 
@@ -237,8 +237,8 @@ def test_saving_an_older_version_drops_the_abandoned_newer_ones(shm_dir):
 
 def test_a_flipped_byte_is_detected_and_never_returned(shm_dir, ftmem_log):
     engine = make_engine(shm_dir)
-    engine.save({"w": torch.zeros(4096)}, 1).wait_committed()
-    engine.save({"w": torch.ones(4096)}, 2).wait_committed()
+    engine.save({"w": torch.zeros(4096)}, 1).wait_protected()
+    engine.save({"w": torch.ones(4096)}, 2).wait_protected()
     slot_of_2 = engine.store.committed()[2]
     flip_byte(engine.store.slot_path(slot_of_2), 1000)
     restored = engine.restore()
@@ -251,7 +251,7 @@ def test_a_flipped_byte_is_detected_and_never_returned(shm_dir, ftmem_log):
 def test_a_corrupted_commit_marker_is_detected(shm_dir):
     engine = make_engine(shm_dir)
     for v in (1, 2):
-        engine.save({"w": torch.full((10,), float(v))}, v).wait_committed()
+        engine.save({"w": torch.full((10,), float(v))}, v).wait_protected()
     flip_byte(engine.store.commit_path(2, engine.store.committed()[2]), 20)
     with pytest.raises(NoRecoverableVersion, match="version 2: .* lacks node"):
         engine.restore(version=2)
@@ -261,7 +261,7 @@ def test_a_corrupted_commit_marker_is_detected(shm_dir):
 
 def test_verify_raises_on_a_mismatch(shm_dir):
     engine = make_engine(shm_dir)
-    engine.save({"w": torch.zeros(100)}, 7).wait_committed()
+    engine.save({"w": torch.zeros(100)}, 7).wait_protected()
     flip_byte(engine.store.slot_path(engine.store.committed()[7]), 3)
     with pytest.raises(CorruptShard, match="does not match its checksum"):
         integrity.verify(engine.store, 7)
@@ -289,14 +289,15 @@ def small_tmpfs():
 
 def test_too_small_shared_memory_fails_at_the_first_save_with_the_numbers(small_tmpfs):
     engine = make_engine(small_tmpfs)
-    state = {"w": torch.zeros(4 << 20)}  # 16 MiB; two versions need 32 MiB (one node: no parity)
+    state = {"w": torch.zeros(4 << 20)}  # 16 MiB; three versions need 48 MiB (one node: no parity)
     with pytest.raises(ShmBudgetError) as err:
         engine.save(state, 1)
     message = str(err.value)
-    assert "needs 32.0 MiB" in message and "8.0 MiB free" in message and "shm_dir" in message
+    assert "needs 48.0 MiB" in message and "8.0 MiB free" in message and "shm_dir" in message
+    assert '"slots": 2' in message
     assert engine.versions() == [] and not any(".slot" in f for f in os.listdir(engine.identity.node_dir))
     small = {"w": torch.zeros(1 << 18)}  # 1 MiB fits: the engine is still usable
-    engine.save(small, 1).wait_committed()
+    engine.save(small, 1).wait_protected()
     assert engine.restore().version == 1
     engine.close(job_finished=True)
 
@@ -304,14 +305,14 @@ def test_too_small_shared_memory_fails_at_the_first_save_with_the_numbers(small_
 def test_a_killed_smp_is_restarted_transparently_and_loses_no_version(shm_dir):
     engine = make_engine(shm_dir)
     node_dir = engine.identity.node_dir
-    engine.save({"w": torch.full((1000,), 1.0)}, 1).wait_committed()
+    engine.save({"w": torch.full((1000,), 1.0)}, 1).wait_protected()
     first = running_smp(node_dir)
     os.kill(first, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while pid_alive(first) and time.monotonic() < deadline:
         time.sleep(0.01)
     # A bigger state needs bigger slots: the request for them starts a new SMP.
-    engine.save({"w": torch.full((100_000,), 2.0)}, 2).wait_committed()
+    engine.save({"w": torch.full((100_000,), 2.0)}, 2).wait_protected()
     second = running_smp(node_dir)
     assert second is not None and second != first
     assert engine.versions() == [1, 2]
@@ -321,7 +322,7 @@ def test_a_killed_smp_is_restarted_transparently_and_loses_no_version(shm_dir):
 
 def test_close_after_a_finished_job_frees_memory_and_stops_the_smp(shm_dir):
     engine = make_engine(shm_dir)
-    engine.save({"w": torch.zeros(10)}, 1).wait_committed()
+    engine.save({"w": torch.zeros(10)}, 1).wait_protected()
     node_dir, pid = engine.identity.node_dir, running_smp(engine.identity.node_dir)
     engine.close(job_finished=True)
     deadline = time.monotonic() + 10
@@ -333,7 +334,7 @@ def test_close_after_a_finished_job_frees_memory_and_stops_the_smp(shm_dir):
 def test_close_without_finishing_keeps_versions_for_a_restart(shm_dir):
     job = job_id()
     engine = make_engine(shm_dir, job)
-    engine.save({"w": torch.zeros(10)}, 4).wait_committed()
+    engine.save({"w": torch.zeros(10)}, 4).wait_protected()
     engine.close()
     again = make_engine(shm_dir, job)
     assert again.restore().version == 4
@@ -344,7 +345,7 @@ def test_status_json_and_clean_from_the_shell(shm_dir):
     job = job_id()
     engine = make_engine(shm_dir, job)
     for v in (1, 2):
-        engine.save({"w": torch.zeros(10)}, v).wait_committed()
+        engine.save({"w": torch.zeros(10)}, v).wait_protected()
     engine.close()
     out = run_cli("status", "--json", "--shm-dir", shm_dir)
     assert out.returncode == 0, out.stderr
@@ -384,7 +385,7 @@ def test_a_version_saved_under_another_layout_is_refused_with_the_mismatch(shm_d
     job = job_id()
     engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job}, rank=0, world_size=1,
                             layout=ParallelLayout(dp_groups=((0,),), zero_stage=1))
-    engine.save({"w": torch.zeros(3)}, 1).wait_committed()
+    engine.save({"w": torch.zeros(3)}, 1).wait_protected()
     engine.close()
     other = SnapshotEngine({"shm_dir": shm_dir, "job_id": job}, rank=0, world_size=1,
                            layout=ParallelLayout(dp_groups=((0,),), zero_stage=2))
@@ -445,7 +446,7 @@ def test_flushes_are_skipped_not_queued_while_the_disk_is_slower_than_the_saves(
     for version in range(1, 6):  # version 1's flush holds the gate; 5 committed means 4 was handed over
         state["w"].fill_(version)
         written[version] = state["w"].clone()
-        engine.save(state, version).wait_committed()
+        engine.save(state, version).wait_protected()
     layout.gate.set()
     engine.wait_flushed()
     out = ftmem_log.text()
@@ -464,7 +465,7 @@ def test_export_names_what_it_cannot_do(shm_dir, tmp_path):
     adapter saved: each refused with the reason, nothing written."""
     job = job_id()
     engine = make_engine(shm_dir, job)
-    engine.save({"w": torch.ones(10)}, 1).wait_committed()
+    engine.save({"w": torch.ones(10)}, 1).wait_protected()
     out = tmp_path / "out"
     refused = run_cli("export", "--job", "no-such-job", "--shm-dir", shm_dir, "--out", str(out))
     assert refused.returncode == 2 and f"no job 'no-such-job' in {shm_dir} (jobs there: {job})" in refused.stderr

@@ -89,14 +89,14 @@ def test_an_unrelated_job_under_the_same_id_is_refused_and_deletes_nothing(shm_d
         assert "JobAlreadyRunning" in twin.log(0) and "is already running as pid" in twin.log(0)
         a.kill_all()
     held = {n["node"]: n["versions"] for n in jobs.status(shm_dir, shared_id)["jobs"][0]["nodes"]}
-    assert held == {0: [2, 3], 1: [2, 3]}
+    assert held == {0: [1, 2, 3], 1: [1, 2, 3]}
 
     # Job B: another save dir, the same id by mistake. Refused before it reads or writes.
     b_save, b_out = str(tmp_path / "b" / "ckpt"), str(tmp_path / "b" / "out")
     b = LocalJob("examples.deepspeed.train_gpt", train_args(shm_dir, b_save, b_out), 2, shared_id, b_out, env=env)
     assert b.wait(TIMEOUT) != [0, 0]
     assert "ForeignVersions" in b.log(0)
-    assert f"holds versions [2, 3] saved from save dir {os.path.realpath(a_save)}: another job's" in b.log(0)
+    assert f"holds versions [1, 2, 3] saved from save dir {os.path.realpath(a_save)}: another job's" in b.log(0)
     assert {n["node"]: n["versions"] for n in jobs.status(shm_dir, shared_id)["jobs"][0]["nodes"]} == held
 
     # Job A comes back and restores its own version.

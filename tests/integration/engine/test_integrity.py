@@ -105,9 +105,9 @@ def test_the_data_checksum_sees_a_flip_in_any_chunk_whatever_buffer_holds_the_by
 def test_a_byte_flipped_right_after_its_commit_with_the_smp_down_is_never_restored(shm_dir, ftmem_log,
                                                                                   monkeypatch):
     engine = make_engine(shm_dir, job_id())
-    engine.save({"w": torch.zeros(4096)}, 1).wait_committed()
+    engine.save({"w": torch.zeros(4096)}, 1).wait_protected()
     window = right_after_its_commit(monkeypatch, engine, 2, lambda store, slot: flip_byte(store.slot_path(slot), 1000))
-    engine.save({"w": torch.ones(4096)}, 2).wait_committed()
+    engine.save({"w": torch.ones(4096)}, 2).wait_protected()
     assert window, "the save of version 2 never reached the after_commit point"
     restored = engine.restore()
     assert restored.version == 1 and torch.equal(restored.state["w"], torch.zeros(4096))
@@ -127,9 +127,9 @@ def test_a_commit_marker_changed_right_after_its_commit_with_the_smp_down_is_nev
             f.write(b"W")
 
     engine = make_engine(shm_dir, job_id())
-    engine.save({"weights": torch.zeros(16)}, 1).wait_committed()
+    engine.save({"weights": torch.zeros(16)}, 1).wait_protected()
     window = right_after_its_commit(monkeypatch, engine, 2, rename_the_key)
-    engine.save({"weights": torch.ones(16)}, 2).wait_committed()
+    engine.save({"weights": torch.ones(16)}, 2).wait_protected()
     assert window, "the save of version 2 never reached the after_commit point"
     restored = engine.restore()
     assert restored.version == 1 and list(restored.state) == ["weights"]
@@ -153,7 +153,7 @@ def test_a_missing_empty_or_short_slot_file_is_a_lost_shard(shm_dir, ftmem_log, 
     job = job_id()
     engine = make_engine(shm_dir, job)
     for v in (1, 2):
-        engine.save({"w": torch.full((4096,), float(v))}, v).wait_committed()
+        engine.save({"w": torch.full((4096,), float(v))}, v).wait_protected()
     engine.close()
     damage(engine.store.slot_path(engine.store.committed()[2]), how)
     status = run_cli("status", "--json", "--shm-dir", shm_dir)
@@ -163,7 +163,7 @@ def test_a_missing_empty_or_short_slot_file_is_a_lost_shard(shm_dir, ftmem_log, 
     restored = again.restore()
     assert restored.version == 1 and torch.equal(restored.state["w"], torch.full((4096,), 1.0))
     assert "rank 0 version 2:" in ftmem_log.text() and "Treating it as lost" in ftmem_log.text()
-    again.save({"w": torch.full((4096,), 3.0)}, 3).wait_committed()  # into the damaged slot, allocated again
+    again.save({"w": torch.full((4096,), 3.0)}, 3).wait_protected()  # into the damaged slot, allocated again
     assert torch.equal(again.restore().state["w"], torch.full((4096,), 3.0))
     again.close(job_finished=True)
 
@@ -177,7 +177,7 @@ def test_a_job_whose_every_version_is_damaged_is_not_taken_for_a_fresh_job(shm_d
     job = job_id()
     engine = make_engine(shm_dir, job)
     for v in (1, 2):
-        engine.save({"w": torch.full((4096,), float(v))}, v).wait_committed()
+        engine.save({"w": torch.full((4096,), float(v))}, v).wait_protected()
     engine.close()
     for v, slot in engine.store.committed().items():
         path = engine.store.slot_path(slot) if what == "data" else engine.store.commit_path(v, slot)
@@ -266,12 +266,13 @@ def test_a_parity_copy_damaged_before_its_marker_is_found_and_the_version_before
     then refused its rebuild.)"""
     hooks = tmp_path / "hooks"
     hooks.mkdir()
-    job = TrainJob(shm_dir, tmp_path / "run", world=2, ec=(1, 1))
+    job = TrainJob(shm_dir, tmp_path / "run", world=2, ec=(1, 1), protect_each=True)
     hold = {0: {"FTMEM_TEST_HOOK": "mid_exchange:hold:rank=0:version=5", "FTMEM_TEST_HOOK_DIR": str(hooks)}}
     with job.start("--stop-after", "5", rank_env=hold) as run:
         run.wait_for((hooks / "paused.rank0.v5").exists, TIMEOUT, "rank 0 to hold mid-exchange of version 5")
         store = RankStore(job.node_dir(0), 0)
-        flip_byte(store.slot_path(store.committed()[5], PARITY), 200)
+        # Version 5's parity goes to the parity slot that does not hold the protected version 4's.
+        flip_byte(store.slot_path(store.free_slot(PARITY, keep=(store.parity_held()[4],)), PARITY), 200)
         (hooks / "resume.rank0.v5").touch()
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(2)), TIMEOUT, "step 5")
     assert store.read_parity(5).copy_of == (1,)

@@ -54,7 +54,7 @@ def test_a_runtime_the_script_closed_does_not_end_again_at_exit(shm_dir, tmp_pat
     closed = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), "--persist-interval", "100",
                  "--end", "close", job=job)
     assert closed.wait(TIMEOUT) == [0, 0] and leaves_no_ftmem_thread(closed), closed.log(0) + closed.log(1)
-    assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}  # closed without job_finished: kept for a restart
+    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}  # closed without job_finished: kept for a restart
     assert not os.path.exists(persist / "newest") and not glob.glob(str(persist / "v*")), os.listdir(persist)
 
 
@@ -63,7 +63,7 @@ def test_sys_exit_keeps_the_newest_version_for_the_restart(shm_dir, tmp_path):
     job = job_id()
     ended = run(shm_dir, tmp_path, "--steps", "3", "--end", "exit1", job=job)
     assert ended.wait(TIMEOUT) == [1, 1] and leaves_no_ftmem_thread(ended), ended.log(1)
-    assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}
+    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
     back = run(shm_dir, tmp_path, "--steps", "4", job=job)
     assert back.wait(TIMEOUT) == [0, 0], back.log(0)
     assert logged(restored_from_memory(3, 0), back.log(0)) and logged(restored_from_memory(3, 1), back.log(1))
@@ -141,7 +141,7 @@ def test_a_last_flush_that_fails_keeps_memory_and_still_says_how_to_free_it(shm_
         for r in range(2):
             (hooks / f"resume.rank{r}.v3").touch()
         assert ended.wait(TIMEOUT) == [0, 0], ended.log(0)
-    assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}
+    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
     line = re.search(rf"job {job} keeps its newest version \(3\) in shared memory \((.+)\): a restart of the same "
                      rf"job resumes from it. To free it: ftmem clean --job {job} --shm-dir {re.escape(shm_dir)}",
                      ended.log(0))
@@ -317,7 +317,7 @@ def test_a_job_that_loaded_an_older_version_by_name_keeps_the_newer_ones_at_its_
     named = run(shm_dir, tmp_path / "out", "--steps", "2", "--persist", str(persist), "--load-version", "2", job=job)
     assert named.wait(TIMEOUT) == [0, 0], named.log(0)
     assert logged(restored_from_memory(2, 0), named.log(0))
-    assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}
+    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
     assert f"job {job} keeps its newest version (3) in shared memory (it also holds version(s) [3], newer than " \
            f"the version it loaded by name)" in named.log(0)
     again = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job)
@@ -345,7 +345,7 @@ def test_a_relaunch_with_another_number_of_ranks_per_node_is_refused_naming_the_
                 f"ranks [0, 1] (ranks per node now 2, world size 2): the node layout changed") in back.log(rank), \
             back.log(rank)[-3000:]
         assert f"free the job's memory first: ftmem clean --job {job} --shm-dir {shm_dir}" in back.log(rank)
-    assert held(shm_dir, job) == {0: [2, 3], 1: [2, 3]}
+    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
 
 
 def test_a_relaunch_under_a_derived_id_of_another_layout_names_the_versions_the_first_layout_holds(shm_dir, tmp_path):
@@ -364,10 +364,10 @@ def test_a_relaunch_under_a_derived_id_of_another_layout_names_the_versions_the_
         log = back.log(rank)[before[rank]:]
         assert (f", on 2 ranks (1 node of 2)) holds no version in memory, but other jobs saved from its origin (save "
                 f"dir {os.path.realpath(tmp_path)}) hold some (job {first} on 2 ranks (2 nodes of 1): versions "
-                f"[2, 3])") in log, log[-3000:]
+                f"[1, 2, 3])") in log, log[-3000:]
         assert f"free them first: ftmem clean --job {first} --shm-dir {shm_dir}." in log
         assert "resumes at step" not in log
-    assert held(shm_dir, first) == {0: [2, 3], 1: [2, 3]}  # the relaunch's own job holds nothing
+    assert held(shm_dir, first) == {0: [1, 2, 3], 1: [1, 2, 3]}  # the relaunch's own job holds nothing
 
 
 def test_a_relaunch_on_fewer_nodes_adopts_the_newest_version_the_old_world_can_give_back_never_a_damaged_copy(
@@ -382,7 +382,7 @@ def test_a_relaunch_on_fewer_nodes_adopts_the_newest_version_the_old_world_can_g
                      str(tmp_path / "first"), env=derived)
     assert first.wait(TIMEOUT) == [1, 1, 1], first.log(0)
     [old] = jobs.list_jobs(shm_dir)
-    assert held(shm_dir, old) == {0: [2, 3], 1: [2, 3], 2: [2, 3]}
+    assert held(shm_dir, old) == {0: [1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3]}
     jobs.lose_node(shm_dir, old, 0)
     store = RankStore(os.path.join(job_root(shm_dir, old), "node2"), 2)
     flip_byte(store.slot_path(store.committed()[3]), 100)
@@ -448,7 +448,7 @@ def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_
                        "step 4 of the second relaunch")
         b_run.kill_all()
     [b] = [job for job in jobs.list_jobs(shm_dir) if job != a]
-    assert held(shm_dir, a) == {1: [2, 3], 2: [2, 3]} and held(shm_dir, b) == {0: [4], 1: [4]}
+    assert held(shm_dir, a) == {1: [1, 2, 3], 2: [1, 2, 3]} and held(shm_dir, b) == {0: [4], 1: [4]}
     if second == "restarted in its own world":
         for steps in (4, 6):  # nothing left to train and no save, then two saves
             again = LocalJob("tests.harness.lifecycle_job", ["--out", str(tmp_path), "--steps", str(steps),
@@ -458,8 +458,8 @@ def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_
             for rank in range(2):
                 assert logged(restored_from_memory(4, rank), again.log(rank)), again.log(rank)[-3000:]
             if steps == 4:
-                assert held(shm_dir, a) == {1: [2, 3], 2: [2, 3]} and "freed job" not in again.log(0)
-        assert jobs.list_jobs(shm_dir) == [b] and held(shm_dir, b) == {0: [5, 6], 1: [5, 6]}
+                assert held(shm_dir, a) == {1: [1, 2, 3], 2: [1, 2, 3]} and "freed job" not in again.log(0)
+        assert jobs.list_jobs(shm_dir) == [b] and held(shm_dir, b) == {0: [4, 5, 6], 1: [4, 5, 6]}
         assert (f"freed job {a}'s memory on nodes ['node1', 'node2']: this job's line descends from its version 3, "
                 f"this job resumed its own version 4 and now holds a protected version of its own") in again.log(0)
         return
@@ -479,7 +479,7 @@ def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_
         assert f"rank {rank}: adopted version {version} of" in log and f"w = [{float(version)}]" in log
         assert f"rank {rank}: resumes at step {version + 1} (memory)" in log
     [c] = [job for job in jobs.list_jobs(shm_dir) if job not in (a, b)]
-    assert held(shm_dir, c) == {node: [5, 6] for node in range(4)}
+    assert held(shm_dir, c) == {node: list(range(version + 1, 7)) for node in range(4)}  # its own saves
     if second == "whole":
         assert jobs.list_jobs(shm_dir) == [c]
         assert (f"freed job {a}'s memory on nodes ['node1', 'node2']: it holds nothing newer than version 4, which "
@@ -538,7 +538,7 @@ def test_a_relaunch_that_cannot_rebuild_the_old_world_is_refused_and_frees_nothi
         assert "EC group of nodes [0, 1, 2] (k=2, m=1) lacks node(s) [0, 1]" in log
         assert "ftmem does not start from scratch in place of what this job saved" in log
         assert "resumes at step" not in log
-    assert held(shm_dir, old) == {2: [2, 3]}
+    assert held(shm_dir, old) == {2: [1, 2, 3]}
 
 
 def test_several_runtimes_of_a_process_end_in_the_order_they_were_made_on_every_rank(shm_dir, tmp_path):

@@ -155,8 +155,8 @@ def test_a_world_writable_directory_is_refused_and_nothing_planted_in_it_runs(sh
 def test_a_crafted_pickled_marker_runs_nothing_and_reads_as_a_damaged_version(shm_dir, tmp_path, ftmem_log):
     evidence = tmp_path / "ran"
     engine = make_engine(shm_dir)
-    engine.save({"w": torch.zeros(16)}, 1).wait_committed()
-    engine.save({"w": torch.ones(16)}, 2).wait_committed()
+    engine.save({"w": torch.zeros(16)}, 1).wait_protected()
+    engine.save({"w": torch.ones(16)}, 2).wait_protected()
     marker = engine.store.commit_path(2, engine.store.committed()[2])
     with open(marker, "rb") as f:  # what ftmem writes: a checksum, then JSON of the record
         assert decode_record(CommitRecord, f.read()[16:]).version == 2
@@ -172,7 +172,7 @@ def test_a_crafted_pickled_marker_runs_nothing_and_reads_as_a_damaged_version(sh
 def test_a_crafted_skeleton_in_a_valid_marker_is_refused_by_name(shm_dir, tmp_path):
     evidence = tmp_path / "ran"
     engine = make_engine(shm_dir)
-    engine.save({"w": torch.zeros(16)}, 1).wait_committed()
+    engine.save({"w": torch.zeros(16)}, 1).wait_protected()
     store = engine.store
     record = store.read_commit(1)
     forged = dataclasses.replace(record, skeleton=live_payload(str(evidence), str(tmp_path)))
@@ -196,7 +196,7 @@ def test_a_save_learns_of_an_unadmitted_type_at_once_and_add_safe_globals_admits
         engine.save({"w": torch.zeros(4), "note": Note("x")}, 1)
     assert engine.versions() == []
     with torch.serialization.safe_globals([Note]):
-        engine.save({"w": torch.zeros(4), "note": Note("x")}, 1).wait_committed()
+        engine.save({"w": torch.zeros(4), "note": Note("x")}, 1).wait_protected()
         assert engine.restore().state["note"] == Note("x")
     engine.close(job_finished=True)
 
@@ -213,7 +213,7 @@ def test_export_admits_a_type_of_the_job_s_own_when_named_with_admit(shm_dir, tm
     model_states = {"module": {"w": torch.arange(4.0)}, "note": mytypes.Note("x")}
     with torch.serialization.safe_globals([mytypes.Note]):
         engine.save({"files": {"global_step1/mp_rank_00_model_states.pt": model_states}, "tag": "global_step1",
-                     "rng": {}}, 1).wait_committed()
+                     "rng": {}}, 1).wait_protected()
     engine.close()  # not finished: the version stays in memory
     out = tmp_path / "out"
     export = [sys.executable, "-m", "ftmem.cli", "export", "--job", job, "--shm-dir", shm_dir, "--out", str(out)]
@@ -272,13 +272,13 @@ def test_a_crafted_smp_request_runs_nothing_in_the_smp(shm_dir, tmp_path):
     conn = _raw_connection(node_dir)  # a well-formed request out of range is refused too
     answer_challenge(conn, key)
     deliver_challenge(conn, key)
-    conn.send_bytes(json.dumps(["alloc", 7, 1 << 40, 0]).encode())
+    conn.send_bytes(json.dumps(["alloc", 7, 1 << 40, 0, 3]).encode())
     reply = json.loads(conn.recv_bytes())
     assert reply[0] == "err" and "rank 7 is not one of this node's ranks [0]" in reply[2], reply
     conn.close()
     assert not evidence.exists()
     assert running_smp(node_dir) is not None  # still serving the job
-    engine.save({"w": torch.zeros(4)}, 1).wait_committed()
+    engine.save({"w": torch.zeros(4)}, 1).wait_protected()
     engine.close(job_finished=True)
 
 
@@ -288,7 +288,7 @@ def test_a_symlinked_node_json_is_replaced_not_followed(shm_dir, tmp_path):
     job = job_id()
     engine = make_engine(shm_dir, job)
     node_dir = engine.identity.node_dir
-    engine.save({"w": torch.zeros(4)}, 1).wait_committed()
+    engine.save({"w": torch.zeros(4)}, 1).wait_protected()
     engine.close()
     os.kill(running_smp(node_dir), signal.SIGKILL)  # the restart starts a new SMP and writes node.json
     node_json = os.path.join(node_dir, "node.json")
@@ -319,7 +319,7 @@ def test_another_user_can_neither_reach_nor_take_the_smp_s_address_and_a_restart
     binding there too, and ftmem lists no abstract name to squat; the restart recovers."""
     job = job_id()
     engine = make_engine(shm_dir, job)
-    engine.save({"w": torch.arange(4.0)}, 1).wait_committed()
+    engine.save({"w": torch.arange(4.0)}, 1).wait_protected()
     node_dir = engine.identity.node_dir
     smp = running_smp(node_dir)
     assert not abstract_names_of(smp)
@@ -357,7 +357,7 @@ def test_connections_that_do_not_prove_the_key_are_dropped_and_capped(shm_dir):
         silent.append(sock)
     time.sleep(1)
     assert len(os.listdir(f"/proc/{smp}/task")) < MAX_HANDSHAKES + 20
-    engine.save({"w": torch.zeros(4)}, 1).wait_committed()  # the rank's own connection is served
+    engine.save({"w": torch.zeros(4)}, 1).wait_protected()  # the rank's own connection is served
     for sock in silent[:5]:
         sock.settimeout(HANDSHAKE_S + BOUND_S)
         sock.recv(1 << 16)  # the SMP's challenge (dropped ones get nothing) ...
@@ -372,8 +372,8 @@ def test_a_save_under_umask_002_leaves_only_0700_directories_and_0600_files(shm_
     old = os.umask(0o002)
     try:
         engine = make_engine(shm_dir)  # its SMP inherits the umask
-        engine.save({"w": torch.zeros(1000)}, 1).wait_committed()
-        engine.save({"w": torch.ones(1000)}, 2).wait_committed()
+        engine.save({"w": torch.zeros(1000)}, 1).wait_protected()
+        engine.save({"w": torch.ones(1000)}, 2).wait_protected()
         engine.close()
     finally:
         os.umask(old)
@@ -396,7 +396,7 @@ RANK = textwrap.dedent("""
     from ftmem import SnapshotEngine
     engine = SnapshotEngine({"shm_dir": sys.argv[1], "job_id": sys.argv[2], "ranks_per_node": 1}, rank=0, world_size=1)
     if sys.argv[3] == "save":
-        engine.save({"w": torch.ones(100)}, 1).wait_committed()
+        engine.save({"w": torch.ones(100)}, 1).wait_protected()
     os._exit(0)  # gone without a word, as a crash or a failed start leaves it
 """)
 

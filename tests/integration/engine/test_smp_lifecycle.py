@@ -73,16 +73,16 @@ def assert_names_the_smp(error, node_dir, pid):
 def test_a_stopped_smp_fails_the_save_that_needs_it_by_name_and_a_new_one_takes_over(shm_dir, short_bound):
     engine = make_engine(shm_dir)
     node_dir = engine.identity.node_dir
-    engine.save({"w": torch.zeros(1000)}, 1).wait_committed()
+    engine.save({"w": torch.zeros(1000)}, 1).wait_protected()
     pid = running_smp(node_dir)
     with stopped(pid):
         start = time.monotonic()
         with pytest.raises(SmpError) as err:  # a grown state needs the SMP to grow the slots
-            bounded(lambda: engine.save({"w": torch.zeros(100_000)}, 2).wait_committed())
+            bounded(lambda: engine.save({"w": torch.zeros(100_000)}, 2).wait_protected())
         assert time.monotonic() - start < HANG_S
         assert_names_the_smp(err.value, node_dir, pid)
     # Once that SMP is gone, the next request starts a new one, as before.
-    engine.save({"w": torch.ones(100_000)}, 3).wait_committed()
+    engine.save({"w": torch.ones(100_000)}, 3).wait_protected()
     assert running_smp(node_dir) not in (None, pid)
     assert torch.equal(engine.restore().state["w"], torch.ones(100_000))
     engine.close(job_finished=True)
@@ -92,7 +92,7 @@ def test_a_rank_started_against_a_stopped_smp_exits_with_the_reason(shm_dir, sho
     job = job_id()
     engine = make_engine(shm_dir, job)
     node_dir = engine.identity.node_dir
-    engine.save({"w": torch.zeros(10)}, 1).wait_committed()
+    engine.save({"w": torch.zeros(10)}, 1).wait_protected()
     engine.close()  # the SMP stays, holding version 1 for a restart
     pid = running_smp(node_dir)
     restart = [sys.executable, "-c", f"""
@@ -135,13 +135,13 @@ RANK_SCRIPT = textwrap.dedent("""
                                 world_size=2)
         engine = SnapshotEngine({"shm_dir": shm_dir, "job_id": job, "ranks_per_node": 1, "ec": {"k": 1, "m": 1}},
                                 rank=rank, world_size=2)
-        engine.save({"w": torch.zeros(1 << 16)}, 1).wait_committed()
+        engine.save({"w": torch.zeros(1 << 16)}, 1).wait_protected()
         if mode == "stop":
             flag(f"ready.{rank}")
             wait_for("go")
         # When rank 0's state grows, rank 1 grows its parity slot on its copy thread.
         size = (1 << 16) * (4 if mode == "stop" and rank == 0 else 1)
-        engine.save({"w": torch.ones(size)}, 2).wait_committed()
+        engine.save({"w": torch.ones(size)}, 2).wait_protected()
         print("saved version 2", flush=True)
 
     # The rank fails on purpose, with its gloo groups alive and perhaps moves in flight: it
@@ -218,10 +218,10 @@ def test_ftmem_clean_of_a_running_job_fails_its_next_save_and_starts_nothing_aga
     job = job_id()
     engine = make_engine(shm_dir, job)
     node_dir = engine.identity.node_dir
-    engine.save({"w": torch.zeros(1000)}, 1).wait_committed()
+    engine.save({"w": torch.zeros(1000)}, 1).wait_protected()
     assert run_cli("clean", "--job", job, "--shm-dir", shm_dir).returncode == 0
     with pytest.raises(FtmemError, match=r"shared memory in .*node0 was removed \(ftmem clean\?\).*[Rr]estart the job"):
-        engine.save({"w": torch.ones(1000)}, 2).wait_committed()
+        engine.save({"w": torch.ones(1000)}, 2).wait_protected()
     assert not os.path.exists(node_dir) and running_smp(node_dir) is None  # clean stays clean
     engine.close(job_finished=True)  # nothing is left to free: no error
 
@@ -251,7 +251,7 @@ def test_a_vanished_key_file_gets_the_smp_restarted_with_a_fresh_key(shm_dir, ft
     job = job_id()
     engine = make_engine(shm_dir, job)
     node_dir = engine.identity.node_dir
-    engine.save({"w": torch.full((100,), 7.0)}, 1).wait_committed()
+    engine.save({"w": torch.full((100,), 7.0)}, 1).wait_protected()
     engine.close()
     old = running_smp(node_dir)
     for name in ("smp.key", "node.json"):

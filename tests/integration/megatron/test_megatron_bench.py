@@ -41,7 +41,7 @@ def test_megatron_bench_ends_with_a_result_line(command, shm_dir):
 
 OVERHEAD_KEYS = {"params", "checkpoint_gb", "step_s", "ftmem_cycle_s", "torch_cycle_s", "ftmem_overhead_pct",
                  "torch_overhead_pct", "ftmem_save_call_s", "torch_save_call_s", "ftmem_copy_s",
-                 "ftmem_commit_s", "ftmem_steady_cycle_s", "ftmem_steady_overhead_pct", "ftmem_drain_s"}
+                 "ftmem_protect_s", "ftmem_steady_cycle_s", "ftmem_steady_overhead_pct", "ftmem_drain_s"}
 
 
 def test_the_overhead_bench_ends_with_a_result_line(shm_dir):
@@ -76,7 +76,7 @@ def test_blocks_of_one_iteration_report_no_steady_state():
     from benchmarks.bench_overhead import figures
 
     report = {"params": 10, "checkpoint_bytes": 4e9, "per_iteration_s": {"nosave": [1.0, 1.2], "ftmem": [1.5, 1.7]},
-              "save_calls_s": {"ftmem": [0.05, 0.07]}, "copies_s": [0.2, 0.4], "commits_s": [0.3, 0.5],
+              "save_calls_s": {"ftmem": [0.05, 0.07]}, "copies_s": [0.2, 0.4], "protects_s": [0.3, 0.5],
               "steady_s": [1.02, 1.04], "drains_s": [0.4, 0.6]}
     one = figures(report, block=1)
     assert not any(k.startswith(("ftmem_steady", "ftmem_drain")) for k in one), one
