@@ -1,4 +1,4 @@
-"""The ``ftmem`` command: status, clean, export, bench, demo, survival.
+"""The ``ftmem`` command: status, clean, export, bench, demo, survival, plan.
 
 ``bench`` and ``demo`` run tools that live in ftmem's source tree beside the library
 (``benchmarks/`` and ``examples/``), which the library never imports and the wheel does not
@@ -9,20 +9,24 @@ ftmem runs from (an editable install).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import decimal
 import json
 import math
 import os
 import pkgutil
+import re
 import sys
 import textwrap
 from importlib.metadata import entry_points
 from typing import Optional
 
 from ftmem._shm import jobs
-from ftmem._ec import survival
-from ftmem.config import SHM_DIR_ADVICE, shm_dir_problem
+from ftmem._ec import capacity, survival
+from ftmem.config import DP_SHARD_CHOICES, SHM_DIR_ADVICE, shm_dir_problem
 from ftmem.errors import ConfigError, FtmemError
 from ftmem._common.identity import check_job_id, job_root
+from ftmem._common.units import fmt_bytes
 
 
 class Parser(argparse.ArgumentParser):
@@ -55,6 +59,21 @@ def non_negative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     return _number(text, float, "a positive number", lambda v: 0 < v < math.inf)
+
+
+# A parameter count: a number, in e-notation or with a K, M, B or T suffix ("70B", "7e9", "350M").
+_PARAMS = re.compile(r"(?i)\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*")
+_PARAMS_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+MAX_PARAMS = 10**15  # beyond any model; it keeps a typo like 70e99 from making a number of a hundred digits
+
+
+def params_arg(text: str) -> int:
+    match = _PARAMS.fullmatch(text)
+    value = decimal.Decimal(match[1]) * _PARAMS_SUFFIX[match[2].lower()] if match else None
+    if value is None or not 1 <= value <= MAX_PARAMS or value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"must be a whole number of parameters up to 1e15, as 70000000000, 70e9 or "
+                                         f"70B (suffixes K, M, B, T), got {text!r}")
+    return int(value)
 
 
 def shm_dir_arg(text: str) -> str:
@@ -226,6 +245,51 @@ def _cmd_survival(args) -> int:
     return 0
 
 
+def _sharding(job: capacity.Job) -> str:
+    if job.distributed_optimizer:
+        return "Megatron's distributed optimizer"
+    return f"ZeRO {job.zero}" + (" (or Megatron without the distributed optimizer)" if job.zero == 0 else "")
+
+
+def _iterations(n: int) -> str:
+    return f"{n} iteration{'' if n == 1 else 's'}"
+
+
+def _cmd_plan(args) -> int:
+    job = capacity.Job(params=args.params, dtype=args.dtype, tp=args.tp, pp=args.pp, dp=args.dp,
+                       ranks_per_node=args.gpus_per_node, zero=args.zero,
+                       distributed_optimizer=args.distributed_optimizer, dp_shard=args.dp_shard)
+    schedule = capacity.Schedule(net_gbps=args.net_gbps, step_s=args.step_s, save_interval=args.save_interval,
+                                 slots=args.slots)
+    plan = capacity.plan(job, schedule, args.k, args.m)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(plan)))
+        return 0
+    rank = plan.rank
+    print(f"{job.params:,} parameters in {job.dtype}, Adam with fp32 moments"
+          f"{' and fp32 master weights' if rank.master_weights else ''}; "
+          f"TP {job.tp} x PP {job.pp} x DP {job.dp} = {job.world} ranks on {plan.nodes} nodes of "
+          f"{job.ranks_per_node}; {_sharding(job)}; DP sharding {'on' if rank.dp_sharded else 'off'}")
+    print(f"per version: {rank.params:,} parameters per rank, {fmt_bytes(rank.replicated_bytes)} of state alike on "
+          f"its {job.dp} DP replicas and {fmt_bytes(rank.unique_bytes)} its own: ftmem keeps "
+          f"{fmt_bytes(rank.kept_bytes)} per rank, {fmt_bytes(plan.node_bytes)} per node")
+    print(f"a save every {_iterations(schedule.save_interval)} of {schedule.step_s:g} s; {schedule.slots} data "
+          f"versions and {capacity.PARITY_SLOTS} of parity (or copies) kept; {schedule.net_gbps:g} GB/s per node "
+          f"each way\n")
+    schemes = (plan.ec, plan.replication)
+    rows = [("parity (copy) per node, per version", [fmt_bytes(p.redundancy_bytes) for p in schemes]),
+            ("host memory per node", [fmt_bytes(p.memory_bytes) for p in schemes]),
+            ("sent and received per node, per version", [fmt_bytes(p.sent_bytes) for p in schemes]),
+            ("time to protect a version", [f"{p.protect_s:.3g} s" for p in schemes]),
+            ("protection lag", [_iterations(p.lag_iterations) for p in schemes])]
+    rows += [(f"P(survive {f} node failure{'s' if f > 1 else ''})", [f"{p.survival[f]:.9f}" for p in schemes])
+             for f in plan.ec.survival]
+    print(f"{'':40}  {f'EC k={plan.k}, m={plan.m}':>16}  {'2x replication':>16}")
+    for label, (ec, rep) in rows:
+        print(f"{label:40}  {ec:>16}  {rep:>16}")
+    return 0
+
+
 def _cmd_demo(args) -> int:
     return _run_tool("demo", "demo", args.args)
 
@@ -291,6 +355,32 @@ def main(argv=None) -> int:
     p.add_argument("--window-minutes", type=positive_float, default=10.0,
                    help="time to replace a node and re-protect")
     p.set_defaults(fn=_cmd_survival)
+    p = sub.add_parser("plan", help="memory, time to protect, lag and survival for a model on a cluster, EC vs 2x "
+                                    "replication", description="Plan ftmem's memory and protection for a model on a "
+                                    "cluster, beside 2x replication (see docs/operations.md).")
+    p.add_argument("--params", type=params_arg, required=True, help="the model's parameters: 70000000000, 70e9, 70B")
+    p.add_argument("--dtype", choices=list(capacity.PARAM_BYTES), default="bf16",
+                   help="the parameters' dtype (default bf16); Adam's moments are fp32")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--dp", type=positive_int, required=True, help="data-parallel size")
+    p.add_argument("--gpus-per-node", type=positive_int, required=True, help="ranks per node")
+    p.add_argument("--zero", type=int, choices=capacity.ZERO_STAGES, default=0,
+                   help="DeepSpeed's ZeRO stage (default 0; Megatron without the distributed optimizer is 0)")
+    p.add_argument("--distributed-optimizer", action="store_true", help="Megatron's distributed optimizer")
+    p.add_argument("--k", type=positive_int, help="EC data nodes per group (with --m; default: ftmem's, k=min(2, N-1))")
+    p.add_argument("--m", type=non_negative_int, help="EC parity nodes per group (with --k; default 1)")
+    p.add_argument("--net-gbps", type=positive_float, required=True,
+                   help="network GB/s per node, each way (100 Gb/s is 12.5)")
+    p.add_argument("--step-s", type=positive_float, required=True, help="seconds per iteration")
+    p.add_argument("--save-interval", type=positive_int, default=1, help="iterations between saves (default 1)")
+    p.add_argument("--slots", type=int, choices=capacity.SLOT_CHOICES, default=3,
+                   help="data versions kept per rank, as the \"slots\" key (default 3; with 2 the saves made "
+                        "during a protection are skipped)")
+    p.add_argument("--dp-shard", choices=DP_SHARD_CHOICES, default="auto",
+                   help="as the \"dp_shard\" config key (default auto: on with more than one DP replica)")
+    p.add_argument("--json", action="store_true", help="one JSON object (see docs/operations.md)")
+    p.set_defaults(fn=_cmd_plan)
 
     args = parser.parse_args(argv)
     if getattr(args, "json", False) and args.command == "survival" and args.failures is None:

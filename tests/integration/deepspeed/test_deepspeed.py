@@ -16,7 +16,11 @@ import torch
 from harness.common import ANY, free_shm_dir, job_id, logged, new_shm_dir, run_cli, run_once
 from harness.ranks import LocalJob, free_port, wait_until
 from ftmem import restored_from_disk, restored_from_memory
+from ftmem._ec import capacity
 from ftmem._shm import jobs
+from ftmem._shm.slots import RankStore
+from ftmem._state.plan import ALIGN
+from examples.deepspeed.gpt import GPT, GPTConfig
 from ftmem_deepspeed.stub import is_stub
 from harness.ds_jobs import (CONFIGS, ENV, ITERS, STOCK_ENV, STOP, TIMEOUT, DSJob, config_pair, reference,
                              stock_deepspeed_load, stock_script)
@@ -52,6 +56,26 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, 
     # No persistent tier: the finished job's newest version stays in memory, and it says so.
     assert f"keeps its newest version ({ITERS}) in shared memory" in job.log(0)
     assert all(n["versions"][-1] == ITERS for n in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"])
+    if "pipeline" not in json.load(open(os.path.join(CONFIGS, config))):  # (its GPT splits unevenly over stages)
+        assert_allocated_as_planned(config, world, shm_dir, job.job)
+
+
+def assert_allocated_as_planned(config: str, world: int, shm_dir: str, job: str) -> None:
+    """Each rank's data slots are as large as ``ftmem plan`` plans for the GPT at the config's
+    ZeRO stage and dtype, DP = world: more by each tensor's 64-byte alignment and the RNG
+    state at most, which the planner leaves out (ftmem/_ec/capacity.py)."""
+    ds_config = json.load(open(os.path.join(CONFIGS, config)))
+    dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+    params = sum(p.numel() for p in GPT(GPTConfig()).parameters())
+    planned = capacity.rank_bytes(capacity.Job(params=params, dtype=dtype, tp=1, pp=1, dp=world, ranks_per_node=1,
+                                      zero=ds_config["zero_optimization"]["stage"])).kept_bytes
+    for node in jobs.status(shm_dir, job)["jobs"][0]["nodes"]:
+        for rank in node["ranks"]:
+            store = RankStore(node["path"], rank)
+            entries = store.read_commit(node["versions"][-1]).plan.entries
+            rng = sum(e.nbytes for e in entries if e.dtype == torch.uint8)  # torch's RNG state (rng_states)
+            allocated = store.capacity()
+            assert 0 <= allocated - planned <= ALIGN * (len(entries) + 1) + rng, (rank, allocated, planned)
 
 
 def test_buffers_that_differ_across_replicas_resume_as_each_replica_s_own(shm_dir, tmp_path):
