@@ -88,6 +88,9 @@ class SnapshotEngine:
         origin: Optional[str] = None,
     ):
         self.config = config if isinstance(config, FtmemConfig) else FtmemConfig.from_dict(config)
+        #: the network interface ftmem's gloo groups take (None: gloo's own choice); an interface
+        #: this host lacks is refused here, before any group is made
+        self.network_interface = self.config.network.resolve()
         rank, world_size = _rank_and_world(rank, world_size)
         self.identity = RankIdentity.resolve(self.config, rank, world_size, origin)
         self.layout = layout or ParallelLayout.data_parallel(world_size)

@@ -523,8 +523,10 @@ def _seen_alike(seen: list) -> Optional[int]:
 def check_startup(config: FtmemConfig, rank: int, world_size: int) -> None:
     """For an adapter that starts its runtime after the job (DeepSpeed: at the first save
     or load): fail at the job's start, with the reason, if the config's nodes and EC
-    groups cannot fit the world or the persistent tier's directory takes no files."""
+    groups cannot fit the world, the network interface it names is not on this host, or
+    the persistent tier's directory takes no files."""
     check_node_layout(config, rank, world_size)
+    config.network.resolve()
     if config.persist.dir:
         check_writable(config.persist.dir)
 

@@ -44,8 +44,13 @@ def one_line_refusal(out) -> str:
     ({"ranks_per_node": 2.0}, '"ftmem.ranks_per_node" must be an integer >= 1 (or leave it out), got 2.0.'),
     ({"dp_shard": 1}, '"ftmem.dp_shard" must be one of "auto", "on", "off", got 1.'),
     ({"allow_disk_fallback": "yes"}, '"ftmem.allow_disk_fallback" must be true or false, got "yes".'),
-    ([("ec", 1)], '"ftmem" must be an object with the keys ec, ranks_per_node, shm_dir, dp_shard, persist, job_id, '
-                  'allow_disk_fallback, got [["ec", 1]].'),
+    ({"network": {"interface": 1}}, '"ftmem.network.interface" must be a network interface\'s name (1-15 '
+                                    'characters, without \'/\', \':\' or white space) (or leave it out), got 1.'),
+    ({"network": {"interface": "eth0 "}}, '"ftmem.network.interface" must be a network interface\'s name'),
+    ({"network": {"interface": "eth0:1"}}, '"ftmem.network.interface" must be a network interface\'s name'),
+    ({"network": "eth0"}, '"ftmem.network" must be an object with the keys interface, got "eth0".'),
+    ([("ec", 1)], '"ftmem" must be an object with the keys ec, ranks_per_node, shm_dir, dp_shard, persist, network, '
+                  'job_id, allow_disk_fallback, got [["ec", 1]].'),
     ("ftmem", '"ftmem" must be an object with the keys'),
 ])
 def test_a_bad_config_value_names_its_key_the_value_and_what_is_allowed(section, message):
