@@ -127,7 +127,8 @@ class AdapterRuntime:
             peers = self._engine.dp_peers
             self._engine.persist_with(Flusher(persist_dir, persist_interval, persist_keep, format, self.rank,
                                              first_replica=peers.ranks[0] == self.rank,
-                                             world_size=self._engine.identity.world_size))
+                                             world_size=self._engine.identity.world_size,
+                                             interface=self._engine.network_interface))
         self._crashed = self._finished = False
         self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (plan_resume's named)
         self._adopted: Optional[Adopted] = None  # another world's version this job resumed from, until freed
