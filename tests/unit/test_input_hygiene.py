@@ -78,6 +78,7 @@ def test_paths_that_cannot_work_are_refused_at_start(tmp_path, monkeypatch):
     (["--ftmem-ranks-per-node", "0"], "--ftmem-ranks-per-node must be an integer >= 1 (or leave it out), got 0."),
     (["--ftmem-job-id", ".."], "--ftmem-job-id must be a job id of 1-128 letters"),
     (["--ftmem-shm-dir", "/nonexistent/shm"], "--ftmem-shm-dir '/nonexistent/shm' is not a directory"),
+    (["--ftmem-network-interface", "a/b"], "--ftmem-network-interface must be a network interface's name"),
 ])
 def test_megatron_flags_are_checked_by_the_same_schema_and_named_as_flags(argv, message):
     with pytest.raises(ConfigError) as e:
