@@ -17,6 +17,7 @@ import difflib
 import json
 import os
 import re
+import socket
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar, Mapping, Optional
 
@@ -190,6 +191,53 @@ class PersistConfig(_Section):
                               f"directory (it is created if missing) to flush checkpoints into.")
 
 
+# Names ftmem's network interface where the config does not (GLOO_SOCKET_IFNAME's counterpart).
+INTERFACE_ENV = "FTMEM_SOCKET_IFNAME"
+INTERFACE_RULE = "a network interface's name (1-15 characters, without '/', ':' or white space)"
+
+
+def is_interface_name(name: str) -> bool:
+    """Whether ``name`` can name a network interface (the kernel's rule for the names it takes)."""
+    return 0 < len(name) <= 15 and name not in (".", "..") and not any(c in "/:" or c.isspace() for c in name)
+
+
+def host_interfaces() -> list[str]:
+    """The names of this host's network interfaces (those of this process's network namespace)."""
+    return [name for _, name in socket.if_nameindex()]
+
+
+@dataclass(frozen=True)
+class NetworkConfig(_Section):
+    """The network ftmem's own gloo groups move their bytes over; the training's groups keep
+    theirs (GLOO_SOCKET_IFNAME, NCCL's own settings)."""
+
+    KEY: ClassVar[str] = "ftmem.network"
+
+    # None: FTMEM_SOCKET_IFNAME, else where gloo goes by itself (GLOO_SOCKET_IFNAME, else the
+    # address the host name resolves to), as the training's gloo groups do.
+    interface: Optional[str] = _key(kind=str, optional=True, rule=is_interface_name, rule_text=INTERFACE_RULE)
+
+    def resolve(self) -> Optional[str]:
+        """The interface ftmem's groups bind to on this host: the config's, else
+        FTMEM_SOCKET_IFNAME's, else None (gloo's own choice). A name the host does not have
+        is refused now, naming the ones it has, rather than by gloo at the first group."""
+        if self.interface is not None:
+            name, given = self.interface, f'"{self.KEY}.interface"'
+        else:
+            name, given = os.environ.get(INTERFACE_ENV) or None, INTERFACE_ENV
+        if name is None:
+            return None
+        present = host_interfaces()
+        if name not in present:
+            raise ConfigError(
+                f"{given} names the network interface {name!r}, which this host ({socket.gethostname()}) does not "
+                f"have; its interfaces are {', '.join(present)}. Name the interface of the network ftmem's "
+                f"traffic is meant to take, as it is called on every node (or leave it out: ftmem's groups then "
+                f"take the network gloo picks, as the training's gloo groups do)."
+            )
+        return name
+
+
 # File systems whose files live in memory: the only ones where a snapshot costs no disk write.
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
 # Set to 1 to keep shared memory on another file system anyway (a test bed, a RAM disk of another kind).
@@ -243,6 +291,7 @@ class FtmemConfig(_Section):
     shm_dir: str = _key("/dev/shm", kind=str)
     dp_shard: str = _key("auto", kind=str, choices=DP_SHARD_CHOICES)
     persist: PersistConfig = _key(PersistConfig)
+    network: NetworkConfig = _key(NetworkConfig)
     slots: int = _key(DATA_SLOTS, kind=int, choices=SLOT_CHOICES)
     job_id: Optional[str] = _key(kind=str, optional=True, rule=is_job_id, rule_text=JOB_ID_RULE)
     # Memory holds a version of another layout, model or args: load the disk checkpoint

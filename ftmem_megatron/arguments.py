@@ -24,6 +24,7 @@ FTMEM_FLAGS = (
     ("--ftmem-dp-shard", "ftmem_dp_shard", "dp_shard"),
     ("--ftmem-job-id", "ftmem_job_id", "job_id"),
     ("--ftmem-slots", "ftmem_slots", "slots"),
+    ("--ftmem-network-interface", "ftmem_network_interface", "network.interface"),
 )
 
 
@@ -46,6 +47,9 @@ def add_ftmem_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="versions each rank keeps in memory: 3 (default) keeps the newest snapshot while an "
                             "older one is being protected; 2 needs less memory and skips a save that comes while "
                             "a protection runs")
+    group.add_argument("--ftmem-network-interface", default=None,
+                       help="network interface ftmem's own gloo groups bind to, apart from the training's "
+                            "(default: FTMEM_SOCKET_IFNAME, else the one gloo picks)")
     group.add_argument("--ftmem-allow-disk-fallback", action="store_true",
                        help="when memory holds a version this job cannot use (another parallel layout or model), "
                             "load the persistent checkpoint from --load instead of stopping with the reason")
@@ -105,9 +109,12 @@ def validate_ftmem_args(args) -> FtmemConfig:
     for _, dest, key in FTMEM_FLAGS:
         if "." not in key and getattr(args, dest) is not None:
             section[key] = getattr(args, dest)
+    if args.ftmem_network_interface is not None:
+        section["network"] = {"interface": args.ftmem_network_interface}
     section["allow_disk_fallback"] = bool(getattr(args, "ftmem_allow_disk_fallback", False))
     try:
         config = FtmemConfig.from_dict(section)  # the config's schema checks every value
+        config.network.resolve()  # on every rank, so on every host: an interface one lacks stops the job now
     except ConfigError as e:
         # Its messages name the config keys ("ftmem.ec.k"); name the flags the user wrote.
         message = str(e)

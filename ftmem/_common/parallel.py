@@ -67,11 +67,12 @@ def gather_dp_groups(mine: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted(set(everyone)))
 
 
-def make_dp_groups(layout: ParallelLayout, rank: int):
-    """Create a gloo group per DP group (collective: all ranks, same order); return ours."""
+def make_dp_groups(layout: ParallelLayout, rank: int, interface: Optional[str]):
+    """Create a gloo group per DP group (collective: all ranks, same order), its bytes on the
+    network ``interface`` (see :func:`new_group`); return ours."""
     mine = None
     for group in layout.dp_groups:
-        pg = new_group(group)
+        pg = new_group(group, interface=interface)
         if rank in group:
             mine = pg
     return mine

@@ -130,11 +130,12 @@ class Flusher:
     """One rank's side of the persistent tier. Construction is collective (a gloo group)."""
 
     def __init__(self, root: str, interval: int, keep: Optional[int], format: FrameworkFormat, rank: int,
-                 first_replica: bool, world_size: int):
-        """``first_replica``: this rank writes the files its DP replicas hold alike."""
+                 first_replica: bool, world_size: int, interface: Optional[str]):
+        """``first_replica``: this rank writes the files its DP replicas hold alike. ``interface``:
+        the network the tier's group takes, the engine's (``SnapshotEngine.network_interface``)."""
         self.root, self.interval, self.keep, self.format, self.rank = root, interval, keep, format, rank
         self.first_replica = first_replica
-        self._group = new_group() if world_size > 1 else None
+        self._group = new_group(interface=interface) if world_size > 1 else None
         self._protected = 0
         self._thread: Optional[threading.Thread] = None
         self.last_flush: Optional[tuple[int, float]] = None  # (bytes this rank wrote, seconds), for benchmarks

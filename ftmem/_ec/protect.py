@@ -407,12 +407,13 @@ def _decode(kind: type, payload: bytes):
         raise CorruptShard(f"a column peer sent an unreadable {kind.__name__} ({e}).") from e
 
 
-def make_column_groups(topology: Topology, rank: int) -> Optional[dist.ProcessGroup]:
-    """Create every column's gloo group (collective: all ranks, same order); return ours."""
+def make_column_groups(topology: Topology, rank: int, interface: Optional[str]) -> Optional[dist.ProcessGroup]:
+    """Create every column's gloo group (collective: all ranks, same order), its bytes on the
+    network ``interface`` (see :func:`new_group`); return ours."""
     mine = None
     for g, local in topology.columns():
         ranks = topology.column_ranks(g, local)
-        pg = new_group(ranks)
+        pg = new_group(ranks, interface=interface)
         if rank in ranks:
             mine = pg
     return mine

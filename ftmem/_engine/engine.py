@@ -36,7 +36,7 @@ from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
 from ftmem._common.collective import gather, new_group, vote
-from ftmem._common.logs import rank_warning
+from ftmem._common.logs import job_info, rank_warning
 from ftmem._engine.ownership import refuse_another_node_layout, refuse_foreign_versions
 from ftmem._common.parallel import ParallelLayout, destroy_groups, make_dp_groups
 from ftmem._disk.persist import Flusher
@@ -70,7 +70,9 @@ class SnapshotEngine:
     world size default to torch.distributed's, else RANK / WORLD_SIZE. With more
     than one rank, torch.distributed must be initialized: construction is then
     collective (it creates the engine's own gloo groups, kept apart from the
-    training groups, for agreeing on versions, moving parity and joining DP shards).
+    training groups, for agreeing on versions, moving parity and joining DP shards;
+    their bytes take the network interface ``"network": {"interface": ...}`` names, else
+    FTMEM_SOCKET_IFNAME's, and the training's groups keep theirs).
     ``format`` names the :class:`~ftmem._disk.format.FrameworkFormat` that writes this job's
     versions to disk; ``origin`` says where the job comes from (its save directory). Both
     are recorded in every version; with an origin, versions of another origin under this
@@ -88,6 +90,9 @@ class SnapshotEngine:
         origin: Optional[str] = None,
     ):
         self.config = config if isinstance(config, FtmemConfig) else FtmemConfig.from_dict(config)
+        #: the network interface ftmem's gloo groups take (None: gloo's own choice); an interface
+        #: this host lacks is refused here, before any group is made
+        self.network_interface = self.config.network.resolve()
         rank, world_size = _rank_and_world(rank, world_size)
         self.identity = RankIdentity.resolve(self.config, rank, world_size, origin)
         self.layout = layout or ParallelLayout.data_parallel(world_size)
@@ -105,12 +110,15 @@ class SnapshotEngine:
                     f"ftmem with {world_size} ranks needs torch.distributed initialized before the engine "
                     f"is created (call dist.init_process_group first)."
                 )
-            gloo = new_group()
-            finish_group = new_group(timeout=timedelta(seconds=FINISH_TIMEOUT_S))
-            dp_group = make_dp_groups(self.layout, rank)
+            interface = self.network_interface
+            if interface is not None:
+                job_info("ftmem's process groups take the network interface %s", interface)
+            gloo = new_group(interface=interface)
+            finish_group = new_group(interface=interface, timeout=timedelta(seconds=FINISH_TIMEOUT_S))
+            dp_group = make_dp_groups(self.layout, rank, interface)
             if m > 0:
                 column = ColumnCoder(self.topology, rank)
-                column.pg = make_column_groups(self.topology, rank)
+                column.pg = make_column_groups(self.topology, rank, interface)
         #: this rank's DP replicas and their gloo group (adapters use it too: one group per DP group)
         self.dp_peers = DataParallelPeers(ranks=dp_ranks, group=dp_group if len(dp_ranks) > 1 else None,
                                           sharded=dp_shard)

@@ -128,7 +128,8 @@ class AdapterRuntime:
             peers = self._engine.dp_peers
             self._engine.persist_with(Flusher(persist_dir, persist_interval, persist_keep, format, self.rank,
                                              first_replica=peers.ranks[0] == self.rank,
-                                             world_size=self._engine.identity.world_size))
+                                             world_size=self._engine.identity.world_size,
+                                             interface=self._engine.network_interface))
         self._crashed = self._finished = False
         self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (plan_resume's named)
         self._adopted: Optional[Adopted] = None  # another world's version this job resumed from, until freed
@@ -529,8 +530,10 @@ def _seen_alike(seen: list) -> Optional[int]:
 def check_startup(config: FtmemConfig, rank: int, world_size: int) -> None:
     """For an adapter that starts its runtime after the job (DeepSpeed: at the first save
     or load): fail at the job's start, with the reason, if the config's nodes and EC
-    groups cannot fit the world or the persistent tier's directory takes no files."""
+    groups cannot fit the world, the network interface it names is not on this host, or
+    the persistent tier's directory takes no files."""
     check_node_layout(config, rank, world_size)
+    config.network.resolve()
     if config.persist.dir:
         check_writable(config.persist.dir)
 

@@ -1,7 +1,11 @@
 import os
+import re
+import socket
 
 import pytest
 
+from ftmem import SnapshotEngine
+from ftmem.adapter import check_startup
 from ftmem.config import MEMORY_FILESYSTEMS, FtmemConfig, filesystem_of
 from ftmem.errors import ConfigError
 from ftmem._common.identity import RankIdentity, resolve_job_id
@@ -95,3 +99,44 @@ def test_virtual_nodes(monkeypatch):
 def test_an_ec_group_larger_than_the_node_count_is_refused():
     with pytest.raises(ConfigError, match="needs groups of 4 nodes, but the job has 3 node"):
         FtmemConfig.from_dict({"ec": {"k": 2, "m": 2}}).ec.resolve(3)
+
+
+def test_network_interface_from_the_config_else_the_environment(monkeypatch):
+    """ftmem's groups bind to the config's interface, else FTMEM_SOCKET_IFNAME's, else to none
+    of their own (gloo's choice, GLOO_SOCKET_IFNAME's, as the training's groups)."""
+    monkeypatch.delenv("FTMEM_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the training's: never ftmem's
+    assert FtmemConfig.from_dict(None).network.resolve() is None
+    assert FtmemConfig.from_dict({"network": {}}).network.resolve() is None
+    assert FtmemConfig.from_dict({"network": {"interface": None}}).network.resolve() is None
+    assert FtmemConfig.from_dict({"network": {"interface": "lo"}}).network.resolve() == "lo"
+    monkeypatch.setenv("FTMEM_SOCKET_IFNAME", "lo")
+    assert FtmemConfig.from_dict(None).network.resolve() == "lo"
+    monkeypatch.setenv("FTMEM_SOCKET_IFNAME", "ftmem-nosuch")  # the config wins: the environment is not read
+    assert FtmemConfig.from_dict({"network": {"interface": "lo"}}).network.resolve() == "lo"
+    monkeypatch.setenv("FTMEM_SOCKET_IFNAME", "")  # empty is unset
+    assert FtmemConfig.from_dict(None).network.resolve() is None
+
+
+@pytest.mark.parametrize("given", ["config", "environment"])
+def test_an_interface_the_host_lacks_is_refused_at_start_naming_those_it_has(given, monkeypatch, shm_dir):
+    monkeypatch.delenv("FTMEM_SOCKET_IFNAME", raising=False)
+    section = {"shm_dir": shm_dir, "job_id": "j", "ranks_per_node": 1}
+    if given == "config":
+        section["network"] = {"interface": "ftmem-nosuch"}
+        source = '"ftmem.network.interface"'
+    else:
+        monkeypatch.setenv("FTMEM_SOCKET_IFNAME", "ftmem-nosuch")
+        source = "FTMEM_SOCKET_IFNAME"
+    config = FtmemConfig.from_dict(section)  # a config is checked on the host that runs it, not where it is parsed
+    present = ", ".join(name for _, name in socket.if_nameindex())
+    refusal = (f"{source} names the network interface 'ftmem-nosuch', which this host ({socket.gethostname()}) "
+               f"does not have; its interfaces are {present}.")
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        config.network.resolve()
+    # The engine refuses it first of all: here before it asks for torch.distributed, which 2 ranks need,
+    # and so before any group is made. So do the adapters' checks at the job's start.
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        SnapshotEngine(config, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        check_startup(config, rank=0, world_size=1)

@@ -44,9 +44,14 @@ def one_line_refusal(out) -> str:
     ({"ranks_per_node": 2.0}, '"ftmem.ranks_per_node" must be an integer >= 1 (or leave it out), got 2.0.'),
     ({"dp_shard": 1}, '"ftmem.dp_shard" must be one of "auto", "on", "off", got 1.'),
     ({"allow_disk_fallback": "yes"}, '"ftmem.allow_disk_fallback" must be true or false, got "yes".'),
+    ({"network": {"interface": 1}}, '"ftmem.network.interface" must be a network interface\'s name (1-15 '
+                                    'characters, without \'/\', \':\' or white space) (or leave it out), got 1.'),
+    ({"network": {"interface": "eth0 "}}, '"ftmem.network.interface" must be a network interface\'s name'),
+    ({"network": {"interface": "eth0:1"}}, '"ftmem.network.interface" must be a network interface\'s name'),
+    ({"network": "eth0"}, '"ftmem.network" must be an object with the keys interface, got "eth0".'),
     ({"slots": 4}, '"ftmem.slots" must be one of 2, 3, got 4.'),
-    ([("ec", 1)], '"ftmem" must be an object with the keys ec, ranks_per_node, shm_dir, dp_shard, persist, slots, '
-                  'job_id, allow_disk_fallback, got [["ec", 1]].'),
+    ([("ec", 1)], '"ftmem" must be an object with the keys ec, ranks_per_node, shm_dir, dp_shard, persist, network, '
+                  'slots, job_id, allow_disk_fallback, got [["ec", 1]].'),
     ("ftmem", '"ftmem" must be an object with the keys'),
 ])
 def test_a_bad_config_value_names_its_key_the_value_and_what_is_allowed(section, message):
@@ -74,6 +79,7 @@ def test_paths_that_cannot_work_are_refused_at_start(tmp_path, monkeypatch):
     (["--ftmem-ranks-per-node", "0"], "--ftmem-ranks-per-node must be an integer >= 1 (or leave it out), got 0."),
     (["--ftmem-job-id", ".."], "--ftmem-job-id must be a job id of 1-128 letters"),
     (["--ftmem-shm-dir", "/nonexistent/shm"], "--ftmem-shm-dir '/nonexistent/shm' is not a directory"),
+    (["--ftmem-network-interface", "a/b"], "--ftmem-network-interface must be a network interface's name"),
 ])
 def test_megatron_flags_are_checked_by_the_same_schema_and_named_as_flags(argv, message):
     with pytest.raises(ConfigError) as e:

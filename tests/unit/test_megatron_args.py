@@ -29,6 +29,19 @@ def test_good_flags_make_the_engine_config(shm_dir):
         (2, 1, 1, shm_dir, "off", "j1")
 
 
+def test_the_network_interface_flag_sets_ftmem_s_interface(monkeypatch):
+    monkeypatch.delenv("FTMEM_SOCKET_IFNAME", raising=False)
+    assert validate_ftmem_args(parse(IN_MEMORY + ["--ftmem-network-interface", "lo"])).network.interface == "lo"
+    assert validate_ftmem_args(parse(IN_MEMORY)).network.interface is None
+    # An interface this host lacks stops the job while Megatron checks its args (on every rank, so every
+    # host), named as the flag.
+    with pytest.raises(ConfigError) as e:
+        validate_ftmem_args(parse(IN_MEMORY + ["--ftmem-network-interface", "ftmem-nosuch"]))
+    assert str(e.value).startswith("--ftmem-network-interface names the network interface 'ftmem-nosuch', which "
+                                   "this host ("), str(e.value)
+    assert "its interfaces are lo" in str(e.value)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ftmem-ec-k", "2", "--ftmem-ec-m", "1"],
      "--ftmem-ec-k, --ftmem-ec-m only apply to in-memory checkpoints, but --non-persistent-ckpt-type is None. "
@@ -41,6 +54,7 @@ def test_good_flags_make_the_engine_config(shm_dir):
     (IN_MEMORY + ["--ftmem-ranks-per-node", "2", "--ftmem-ec-k", "2", "--ftmem-ec-m", "1"],
      "--ftmem-ec-k 2 --ftmem-ec-m 1 needs groups of 3 nodes, but 4 ranks at 2 per node make 2"),
     (IN_MEMORY + ["--ftmem-shm-dir", "/nonexistent/shm"], "'/nonexistent/shm' is not a directory"),
+    (["--ftmem-network-interface", "lo"], "--ftmem-network-interface only apply to in-memory checkpoints"),
 ])
 def test_bad_combinations_name_the_flags_and_the_fix(argv, message):
     with pytest.raises(ConfigError) as e:

@@ -440,7 +440,8 @@ class GatedFormat(FrameworkFormat):
 def test_flushes_are_skipped_not_queued_while_the_disk_is_slower_than_the_saves(shm_dir, tmp_path, ftmem_log):
     engine = make_engine(shm_dir)
     layout = GatedFormat()
-    engine.persist_with(Flusher(str(tmp_path), 1, None, layout, rank=0, first_replica=True, world_size=1))
+    engine.persist_with(Flusher(str(tmp_path), 1, None, layout, rank=0, first_replica=True, world_size=1,
+                                interface=None))
     state = {"w": torch.zeros(1000)}
     written = {}
     for version in range(1, 6):  # version 1's flush holds the gate; 5 committed means 4 was handed over
