@@ -279,6 +279,25 @@ def shm_dir_problem(path: str) -> Optional[str]:
 SHM_DIR_ADVICE = "point it at a tmpfs (usually /dev/shm) that exists on every node and this user can write"
 
 
+_SIZE = re.compile(r"(?i)\s*([0-9]*\.?[0-9]+)\s*(%|b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*")
+_SIZE_UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+BUDGET_RULE = ('a share of the shared-memory filesystem\'s size ("80%") or a size ("64GiB", "500MB", a number of '
+               'bytes), per node')
+
+
+def budget_bytes(spec: str, filesystem_bytes: int) -> Optional[int]:
+    """The bytes the budget ``spec`` allows a node on a shared-memory filesystem of
+    ``filesystem_bytes``; None where ``spec`` is no budget (see BUDGET_RULE)."""
+    match = _SIZE.fullmatch(spec)
+    if not match:
+        return None
+    number, unit = float(match[1]), (match[2] or "").lower() or None
+    if unit == "%":
+        return int(filesystem_bytes * number / 100) if 0 < number <= 100 else None
+    return int(number * _SIZE_UNITS[unit]) if number >= 1 else None
+
+
 @dataclass(frozen=True)
 class FtmemConfig(_Section):
     """Validated ftmem settings. Build it with :meth:`from_dict` from user input."""
@@ -293,6 +312,9 @@ class FtmemConfig(_Section):
     persist: PersistConfig = _key(PersistConfig)
     network: NetworkConfig = _key(NetworkConfig)
     slots: int = _key(DATA_SLOTS, kind=int, choices=SLOT_CHOICES)
+    # What the job's slots may take of each node's shared memory (None: what the filesystem has free).
+    shm_budget: Optional[str] = _key(kind=str, optional=True, rule=lambda spec: budget_bytes(spec, 1 << 40) is not None,
+                                     rule_text=BUDGET_RULE)
     job_id: Optional[str] = _key(kind=str, optional=True, rule=is_job_id, rule_text=JOB_ID_RULE)
     # Memory holds a version of another layout, model or args: load the disk checkpoint
     # instead of stopping (AdapterRuntime.plan_resume).

@@ -24,6 +24,7 @@ FTMEM_FLAGS = (
     ("--ftmem-dp-shard", "ftmem_dp_shard", "dp_shard"),
     ("--ftmem-job-id", "ftmem_job_id", "job_id"),
     ("--ftmem-slots", "ftmem_slots", "slots"),
+    ("--ftmem-shm-budget", "ftmem_shm_budget", "shm_budget"),
     ("--ftmem-network-interface", "ftmem_network_interface", "network.interface"),
 )
 
@@ -47,6 +48,10 @@ def add_ftmem_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="versions each rank keeps in memory: 3 (default) keeps the newest snapshot while an "
                             "older one is being protected; 2 needs less memory and skips a save that comes while "
                             "a protection runs")
+    group.add_argument("--ftmem-shm-budget", default=None,
+                       help="what the job's snapshots may take of each node's shared memory: a share of the "
+                            "filesystem (\"80%%\") or a size (\"64GiB\"); three versions that do not fit it run "
+                            "as two (default: what the filesystem has free)")
     group.add_argument("--ftmem-network-interface", default=None,
                        help="network interface ftmem's own gloo groups bind to, apart from the training's "
                             "(default: FTMEM_SOCKET_IFNAME, else the one gloo picks)")

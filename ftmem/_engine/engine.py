@@ -137,7 +137,7 @@ class SnapshotEngine:
         self._run = gather(secrets.token_hex(8), gloo)[0]
         self._saves = 0
         self.timeline: Optional[str] = None  # of the versions this run saves: set at its resume or first save
-        self.memory = SlotMemory(self.store, self._smp)
+        self.memory = SlotMemory(self.store, self._smp, self.config.shm_budget)
         self._restorer = Restorer(self.store, self.memory, self.topology, column, gloo, self.dp_peers, self.layout)
         self._committer = Committer(self.store, self.memory, column, gloo,
                                     lambda record, slot_bytes: self._restorer.read_version(record, slot_bytes,

@@ -8,16 +8,25 @@ with SIGBUS in the middle of training.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from ftmem.errors import ShmBudgetError
 from ftmem._shm.private import open_private
+from ftmem.config import SLOT_CHOICES
 from ftmem._shm.slots import DATA, PARITY, RankStore
 from ftmem._common.units import fmt_bytes
 
 
-def allocate(store: RankStore, nbytes: int, parity_nbytes: int) -> None:
+def allocate(store: RankStore, nbytes: int, parity_nbytes: int, node_ranks: int = 1,
+             budget: Optional[int] = None) -> None:
     """Grow every data slot of ``store`` to ``nbytes`` and every parity slot to
-    ``parity_nbytes``. The budget counts every slot."""
+    ``parity_nbytes``, after checking that the node's ``node_ranks`` ranks, each as large, fit
+    the job's ``budget`` (bytes of the node's shared memory; None: no budget but the
+    filesystem's free space). At the rank's first allocation, where three data slots do not
+    fit the budget and two do, ``store.data_slots`` becomes 2; later, nothing held is
+    dropped to make room: a state grown beyond the budget is refused."""
+    if budget is not None:
+        _fit_budget(store, nbytes, parity_nbytes, node_ranks, budget)
     growth = {kind: max(0, want - store.capacity(kind)) for kind, want in ((DATA, nbytes), (PARITY, parity_nbytes))}
     needed = sum(store.slots(kind) * grown for kind, grown in growth.items())
     if needed == 0:
@@ -47,3 +56,24 @@ def allocate(store: RankStore, nbytes: int, parity_nbytes: int) -> None:
                 raise ShmBudgetError(f"{message} (allocation failed: {e.strerror})") from e
             finally:
                 os.close(fd)
+
+
+def _fit_budget(store: RankStore, nbytes: int, parity_nbytes: int, node_ranks: int, budget: int) -> None:
+    """Check the node's slots against ``budget``: two data slots where three do not fit at
+    the rank's first allocation, else ShmBudgetError with the numbers and the knobs."""
+    def node_bytes(slots: int) -> int:
+        return node_ranks * (slots * nbytes + store.slots(PARITY) * parity_nbytes)
+
+    first = not any(os.path.exists(store.slot_path(s)) for s in range(max(SLOT_CHOICES)))
+    if node_bytes(store.data_slots) <= budget:
+        return
+    if first and store.data_slots > min(SLOT_CHOICES) and node_bytes(min(SLOT_CHOICES)) <= budget:
+        store.data_slots = min(SLOT_CHOICES)
+        return
+    slots = store.data_slots if not first else min(SLOT_CHOICES)
+    raise ShmBudgetError(
+        f"the job's shared memory does not fit its budget: node {store.node_dir} needs {fmt_bytes(node_bytes(slots))} "
+        f"({node_ranks} rank(s) x ({slots} versions x {fmt_bytes(nbytes)} data + {store.slots(PARITY)} x "
+        f"{fmt_bytes(parity_nbytes)} parity)), but \"shm_budget\" (--ftmem-shm-budget) allows it {fmt_bytes(budget)}. "
+        f"Raise the budget (a share of the shared-memory filesystem, \"90%\", or a size), give the job more nodes "
+        f"(less state per rank), or a larger k (less parity). Nothing held in memory was changed.")

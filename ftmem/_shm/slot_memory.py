@@ -11,11 +11,15 @@ view; :meth:`SlotMemory.unmap` closes them at the end, once no other thread runs
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from typing import Optional
 
 import torch
 
+from ftmem.config import budget_bytes
+from ftmem._common.logs import rank_warning
+from ftmem._common.units import fmt_bytes
 from ftmem._state.copier import CudaPinning
 from ftmem.errors import SharedMemoryRemoved
 from ftmem._shm.slots import DATA, PARITY, RankStore
@@ -23,8 +27,9 @@ from ftmem._shm.smp_client import SmpClient
 
 
 class SlotMemory:
-    def __init__(self, store: RankStore, smp: SmpClient):
+    def __init__(self, store: RankStore, smp: SmpClient, budget: Optional[str] = None):
         self.store, self._smp = store, smp
+        self._budget = budget  # what the job's slots may take of the node's shared memory ("shm_budget")
         self._maps: dict[tuple[str, int], tuple[mmap.mmap, torch.Tensor]] = {}
         # The training thread, the copy thread and the protection thread all map and grow
         # slots; the SMP's connection takes one request at a time.
@@ -33,16 +38,27 @@ class SlotMemory:
 
     def reserve(self, nbytes: int, parity_nbytes: int) -> None:
         """Have the SMP grow the slots to hold ``nbytes`` of data and ``parity_nbytes`` of
-        parity (it checks the shared-memory budget first)."""
+        parity (it checks the shared-memory budget first). At the first allocation the SMP may
+        keep two data slots where the budget does not hold three (said once)."""
         with self._lock:
             # A removed node directory has no slot files: never take that for slots to grow.
             self._smp.check_node_dir()
             store = self.store
             grow = [kind for kind, want in ((DATA, nbytes), (PARITY, parity_nbytes)) if store.capacity(kind) < want]
-            if grow:
-                self._forget(grow)  # a grown file needs a new mapping
-                self._smp.request("alloc", store.rank, max(nbytes, store.capacity(DATA)),
-                                  max(parity_nbytes, store.capacity(PARITY)), store.data_slots)
+            if not grow:
+                return
+            self._forget(grow)  # a grown file needs a new mapping
+            budget = 0
+            if self._budget is not None:
+                st = os.statvfs(store.node_dir)
+                budget = budget_bytes(self._budget, st.f_blocks * st.f_frsize)
+            _, slots = self._smp.request("alloc", store.rank, max(nbytes, store.capacity(DATA)),
+                                         max(parity_nbytes, store.capacity(PARITY)), store.data_slots, budget)
+            if slots != store.data_slots:
+                rank_warning(store.rank, "keeps %d versions in memory, not %d: %d of them do not fit the node's "
+                             "\"shm_budget\" %s (%s); a save that comes while an older one is protected is skipped",
+                             slots, store.data_slots, store.data_slots, self._budget, fmt_bytes(budget))
+                store.data_slots = slots
 
     def removed_error(self) -> Optional[SharedMemoryRemoved]:
         """The error to stop with if the node directory went away under the job, else None."""

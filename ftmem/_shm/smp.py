@@ -12,7 +12,7 @@ Started by :func:`ftmem._shm.smp_client.ensure_smp` as ``main(["--node-dir", D, 
 Requests, as JSON arrays over a ``multiprocessing.connection`` on the Unix socket
 ``smp.sock`` in the node directory (``send_bytes``/``recv_bytes``: never a pickle, which
 would run code on receipt):
-``["alloc", rank, nbytes, parity_nbytes, data_slots]``, ``["hello", rank, pid]``, ``["finished", rank]``,
+``["alloc", rank, nbytes, parity_nbytes, data_slots, budget]``, ``["hello", rank, pid]``, ``["finished", rank]``,
 ``["ping"]``. Replies are ``["ok", ...]`` or ``["err", kind, msg]``. While it works on a slow
 request (an allocation of large slots) the SMP sends ``BUSY`` every ``KEEPALIVE_S``, so a
 rank can bound how long it waits for a word (:mod:`ftmem._shm.smp_client`) without bounding the
@@ -76,7 +76,7 @@ MAX_HANDSHAKES = 64  # connections proving it at once: a node's ranks connect at
 GRACE_ENV = "FTMEM_SMP_GRACE_S"
 GRACE_S = 600.0  # how long an SMP waits for a rank to come back once none runs
 # (request kind, types of its arguments after the kind)
-_REQUESTS = {"ping": (), "alloc": (int, int, int, int), "hello": (int, int), "finished": (int,)}
+_REQUESTS = {"ping": (), "alloc": (int, int, int, int, int), "hello": (int, int), "finished": (int,)}
 
 
 @contextlib.contextmanager
@@ -180,12 +180,13 @@ class SnapshotManager:
         if rank not in self.ranks:
             raise ValueError(f"rank {rank} is not one of this node's ranks {self.ranks}")
         if kind == "alloc":
-            _, _, nbytes, parity_nbytes, data_slots = msg
+            _, _, nbytes, parity_nbytes, data_slots, budget = msg
             if data_slots not in SLOT_CHOICES:
                 raise ValueError(f"{data_slots} data slots asked; ftmem keeps one of {SLOT_CHOICES}")
+            store = RankStore(self.node_dir, rank, data_slots)
             with self._lock:
-                allocate(RankStore(self.node_dir, rank, data_slots), nbytes, parity_nbytes)
-            return ("ok",)
+                allocate(store, nbytes, parity_nbytes, len(self.ranks), budget or None)
+            return ("ok", store.data_slots)
         if kind == "hello":
             pid = msg[2]
             running = self._running_as(rank)

@@ -50,8 +50,11 @@ def one_line_refusal(out) -> str:
     ({"network": {"interface": "eth0:1"}}, '"ftmem.network.interface" must be a network interface\'s name'),
     ({"network": "eth0"}, '"ftmem.network" must be an object with the keys interface, got "eth0".'),
     ({"slots": 4}, '"ftmem.slots" must be one of 2, 3, got 4.'),
+    ({"shm_budget": "lots"}, '"ftmem.shm_budget" must be a share of the shared-memory filesystem\'s size ("80%") or '
+                             'a size ("64GiB", "500MB", a number of bytes), per node (or leave it out), got "lots".'),
+    ({"shm_budget": "120%"}, '"ftmem.shm_budget" must be a share of'),
     ([("ec", 1)], '"ftmem" must be an object with the keys ec, ranks_per_node, shm_dir, dp_shard, persist, network, '
-                  'slots, job_id, allow_disk_fallback, got [["ec", 1]].'),
+                  'slots, shm_budget, job_id, allow_disk_fallback, got [["ec", 1]].'),
     ("ftmem", '"ftmem" must be an object with the keys'),
 ])
 def test_a_bad_config_value_names_its_key_the_value_and_what_is_allowed(section, message):

@@ -4,6 +4,7 @@ newest version every rank holds whole, or after a node loss the newest protected
 import glob
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from harness.common import make_engine
 from harness.ranks import wait_until
 from harness.toy import TIMEOUT, TrainJob, reference_run
+from ftmem import ShmBudgetError
 from ftmem._common import testhooks
 
 
@@ -31,11 +33,20 @@ def test_saves_go_on_while_a_protection_is_held_back(shm_dir, held_protection, f
     state["w"].fill_(2)
     handles = [engine.save(state, 2)]
     wait_until(lambda: os.path.exists(held_protection / "paused.rank0.v2"), TIMEOUT, "the protection of 2 to be held")
-    for version in range(3, 7):
-        state["w"].fill_(version)
-        handles.append(engine.save(state, version))
-        # The protection of 2 is held: a save that waited for it would never become reusable.
-        handles[-1].wait_reusable(timeout=60)
+
+    def train_on():
+        for version in range(3, 7):
+            state["w"].fill_(version)
+            handles.append(engine.save(state, version))
+            handles[-1].wait_reusable()
+
+    # The protection of 2 is held: a save, or a copy, that waited for it would never return.
+    saving = threading.Thread(target=train_on, daemon=True)
+    saving.start()
+    saving.join(TIMEOUT)
+    if saving.is_alive():
+        open(held_protection / "resume.rank0.v2", "w").close()  # let the engine close
+        pytest.fail("the saves after version 2 waited for its protection")
     wait_until(lambda: 6 in engine.versions() or handles[-1].skipped, TIMEOUT, "version 6's commit")
     lag = engine.lag()
     assert (lag.newest_saved, lag.newest_protected, lag.versions) == (6, 1, 5)
@@ -82,3 +93,29 @@ def test_a_crash_while_protection_lags_restores_the_newest_version_it_can(shm_di
     else:
         job.lose_node(1)
         job.restart_and_check(reference, expect_version=report["newest_protected"], rebuilt_ranks=(1,))
+
+
+def test_a_budget_that_holds_two_versions_not_three_runs_with_two_and_says_so_once(shm_dir, ftmem_log):
+    engine = make_engine(shm_dir, shm_budget="2.5MiB")  # one rank of 1 MiB: 3 versions need 3 MiB
+    for version in range(1, 5):
+        engine.save({"w": torch.full((1 << 18,), float(version))}, version).wait_protected()
+    assert engine.store.data_slots == 2 and engine.versions() == [3, 4]
+    assert not os.path.exists(engine.store.slot_path(2))
+    assert ftmem_log.text().count("keeps 2 versions in memory, not 3") == 1, ftmem_log.text()
+    engine.close(job_finished=True)
+
+
+def test_a_first_save_beyond_the_budget_is_refused_with_the_numbers_and_a_later_one_loses_nothing(shm_dir):
+    small = make_engine(shm_dir, shm_budget="1.5MiB")
+    with pytest.raises(ShmBudgetError) as refused:
+        small.save({"w": torch.zeros(1 << 18)}, 1)  # 1 MiB: two versions need 2 MiB
+    assert ("needs 2.0 MiB (1 rank(s) x (2 versions x 1.0 MiB data + 2 x 0 B parity)), but \"shm_budget\" "
+            "(--ftmem-shm-budget) allows it 1.5 MiB") in str(refused.value)
+    assert not os.path.exists(small.store.slot_path(0))  # nothing allocated
+    small.close()
+    engine = make_engine(shm_dir, shm_budget="3MiB")
+    engine.save({"w": torch.ones(1 << 18)}, 1).wait_protected()
+    with pytest.raises(ShmBudgetError, match="needs 6.0 MiB"):
+        engine.save({"w": torch.zeros(1 << 19)}, 2)  # the state doubled: beyond the budget
+    assert torch.equal(engine.restore().state["w"], torch.ones(1 << 18))  # what was protected is intact
+    engine.close(job_finished=True)
