@@ -38,8 +38,8 @@ HOSTS = 3
 EC = {"k": 2, "m": 1}
 SHAPE = {"hidden": 256, "layers": 4, "seq_len": 64, "dropout": 0.0}  # ~3.3M parameters
 MICRO_BATCH = 8
-FRONT_MBIT = 200
-BLOCK_STEPS = 30
+FRONT_MBIT = 100
+BLOCK_STEPS = 24
 BLOCKS = 2
 CRASH_AFTER = 12  # steps of the run that loses a host
 ITERS = 20  # steps of the runs compared bitwise
@@ -157,12 +157,14 @@ def worker(argv=None) -> None:
         cpu = {kind: [] for kind in KINDS}  # the process's CPU seconds (every thread) per step
         drains, trace, save_calls = [], [], []  # trace: (block, kind, step seconds, protection lag in iterations)
         steps = {kind: 0 for kind in KINDS}
+        blocking_steps = max(5, args.block_steps // 3)  # a protection each: blocks as long would take minutes
         for block in range(1 + args.blocks):  # block 0 warms up: allocation, first mappings
             for kind in KINDS:
                 engine = engines[kind]
                 torch.distributed.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
-                for _ in range(args.block_steps):
+                n_steps = blocking_steps if kind == "blocking" else args.block_steps
+                for _ in range(n_steps):
                     s0 = time.perf_counter()
                     train_step(engine, steps[kind])
                     steps[kind] += 1
@@ -183,9 +185,9 @@ def worker(argv=None) -> None:
                 if os.environ.get("FTMEM_SCALE_THREADS") and block and rank == 0:
                     print(f"THREADS {kind} {_thread_cpu()}", flush=True)
                 if block:
-                    cpu[kind].append((time.process_time() - c0) / args.block_steps)
-                    per_step[kind].append((t2 - t0) / args.block_steps)
-                    steady[kind].append((t1 - t0) / args.block_steps)
+                    cpu[kind].append((time.process_time() - c0) / n_steps)
+                    per_step[kind].append((t2 - t0) / n_steps)
+                    steady[kind].append((t1 - t0) / n_steps)
                     if kind == "ftmem":
                         drains.append(t2 - t1)
         watch.stop()
@@ -392,7 +394,7 @@ def bench_scale(hosts: int = HOSTS, front_mbit: float = FRONT_MBIT, micro_batch:
         "step_s": nosave, "ftmem_step_s": ftmem, "overhead_pct": (ftmem / nosave - 1) * 100,
         "overhead_x": ftmem / nosave, "ftmem_steady_step_s": f["ftmem_steady_step_s"],
         "steady_overhead_pct": (f["ftmem_steady_step_s"] / f["nosave_steady_step_s"] - 1) * 100,
-        "drain_s": f["drain_s"], "save_call_s": f["save_call_s"], "protect_s": f["protect_s"], "protect_steps": f["protect_s"] / nosave,
+        "drain_s": f["drain_s"], "save_call_s": f["save_call_s"], "protect_s": f["protect_s"], "protect_steps": f["protect_s"] / f["ftmem_steady_step_s"],
         "protect_lag_iters": f["protect_lag_iters"], "protect_lag_max_iters": f["protect_lag_max_iters"],
         "versions_saved": f["versions_saved"], "versions_unprotected": f["versions_unprotected"],
         "blocking_step_s": blocking, "blocking_overhead_x": blocking / nosave,
@@ -413,12 +415,13 @@ def bench_scale(hosts: int = HOSTS, front_mbit: float = FRONT_MBIT, micro_batch:
     print(f"  of which save_checkpoint      {f['save_call_s'] * 1e3:7.1f} ms  (median; the training waits for the copy "
           f"of its state into shared memory, not for the protection)")
     print(f"  blocking design                {blocking * 1e3:7.1f} ms  ({blocking / nosave:.2f}x: every save waits for "
-          f"its protection, as the old engine's save did, measured in the same run with wait_protected() "
-          f"after each save)")
+          f"its protection, as the old engine's save did; measured in the same run, blocks of "
+          f"{max(5, block_steps // 3)} steps with wait_protected() after each save)")
     print("  CPU of a rank's process per step (all its threads): "
           + ", ".join(f"{kind} {f[kind + '_cpu_s'] * 1e3:.0f} ms" for kind in KINDS)
           + f"; load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"  protection: {f['protect_s']:.2f} s from save to protected ({result['protect_steps']:.1f} steps); "
+    print(f"  protection: {f['protect_s']:.2f} s from save to protected ({result['protect_steps']:.1f} steps with "
+          f"saves); "
           f"it ran {f['protect_lag_iters']:g} iteration(s) behind the saves (median, at most "
           f"{f['protect_lag_max_iters']:g}); {f['versions_unprotected']} of {f['versions_saved']} versions "
           f"never protected (replaced by newer saves while a protection ran)")
@@ -452,9 +455,11 @@ def plot_scale(trace: list, protect_s: float, front_mbit: float, path: str) -> N
         points = [(i, t[2], t[3]) for i, t in enumerate(trace) if t[1] == kind]
         top.plot([p[0] for p in points], [p[1] * 1e3 for p in points], ".", color=colors[kind], label=labels[kind],
                  markersize=4)
-        if kind == "ftmem":
-            bottom.plot([p[0] for p in points], [p[2] if p[2] is not None else float("nan") for p in points], ".-",
-                        color=colors[kind], markersize=3, linewidth=0.6)
+        if kind == "ftmem":  # each block apart
+            for block in sorted({t[0] for t in trace}):
+                mine = [(i, t[3]) for i, t in enumerate(trace) if t[1] == kind and t[0] == block]
+                bottom.plot([p[0] for p in mine], [p[1] if p[1] is not None else float("nan") for p in mine], ".-",
+                            color=colors[kind], markersize=3, linewidth=0.6)
     top.set_ylabel("step time (ms)")
     top.set_yscale("log")
     top.legend(fontsize="small")
