@@ -177,6 +177,9 @@ BENCHES = {
     "d2h": "device-to-host GB/s of a save of CUDA tensors into pinned shared memory vs a plain pinned copy (GPU)",
     "overhead": "the iteration time of a megatron-core GPT (about 1.1B parameters, bf16, one GPU) with an in-memory "
                 "save after every iteration, against no saves and a torch save after every iteration",
+    "scale": "DeepSpeed ZeRO-1 on 3 network-namespace hosts (root), ftmem on a tc-limited network slower than the "
+             "step, a save every iteration: step time against no saves and against saves that wait for their "
+             "protection, protection lag; then a host lost and the resume checked bitwise",
     "soak": "a save every iteration for --iters iterations on 3 ranks and nodes: growth of RSS, threads, fds, "
             "sockets and shared memory; the job's memory freed at the end",
 }
