@@ -272,7 +272,7 @@ def test_a_crafted_smp_request_runs_nothing_in_the_smp(shm_dir, tmp_path):
     conn = _raw_connection(node_dir)  # a well-formed request out of range is refused too
     answer_challenge(conn, key)
     deliver_challenge(conn, key)
-    conn.send_bytes(json.dumps(["alloc", 7, 1 << 40, 0, 3]).encode())
+    conn.send_bytes(json.dumps(["alloc", 7, 1 << 40, 0, 3, 0]).encode())
     reply = json.loads(conn.recv_bytes())
     assert reply[0] == "err" and "rank 7 is not one of this node's ranks [0]" in reply[2], reply
     conn.close()

@@ -280,7 +280,7 @@ def test_keepalives_carry_a_request_past_the_bound_and_silence_does_not(shm_dir,
     smp_client.bound_waits(client_end, 0.3)
     client, server = Connection(client_end.detach()), Connection(server_end.detach())
     threading.Thread(target=manager._serve_requests, args=(server,), daemon=True).start()
-    assert smp_client.exchange(client, ("alloc", 0, 1, 0)) == ("ok", "slow")  # 1 s > the 0.3 s bound
+    assert smp_client.exchange(client, ("alloc", 0, 1, 0, 3, 0)) == ("ok", "slow")  # 1 s > the 0.3 s bound
     start = time.monotonic()
     with pytest.raises(BlockingIOError):  # quick requests get no keepalives: this one is silent too long
         smp_client.exchange(client, ("ping",))
