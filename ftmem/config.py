@@ -191,6 +191,24 @@ class PersistConfig(_Section):
                               f"directory (it is created if missing) to flush checkpoints into.")
 
 
+# The signals a preemption's warning may come as (Slurm's --signal, a scheduler's own choice).
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
+# torchrun stops its workers 30 s after its own SIGTERM (SIGKILL then): a flush must end sooner.
+PREEMPTION_GRACE_S = 25
+
+
+@dataclass(frozen=True)
+class PreemptionConfig(_Section):
+    """What a rank does when its job is told to stop (ftmem._engine.preemption): on ``signal``
+    to every rank, the newest version is flushed to the persistent tier within ``grace_s``,
+    then the process ends as that signal ends it."""
+
+    KEY: ClassVar[str] = "ftmem.preemption"
+
+    signal: Optional[str] = _key("SIGTERM", kind=str, optional=True, choices=PREEMPTION_SIGNALS)  # None: off
+    grace_s: int = _key(PREEMPTION_GRACE_S, kind=int, minimum=1)
+
+
 # Names ftmem's network interface where the config does not (GLOO_SOCKET_IFNAME's counterpart).
 INTERFACE_ENV = "FTMEM_SOCKET_IFNAME"
 INTERFACE_RULE = "a network interface's name (1-15 characters, without '/', ':' or white space)"
@@ -311,6 +329,7 @@ class FtmemConfig(_Section):
     dp_shard: str = _key("auto", kind=str, choices=DP_SHARD_CHOICES)
     persist: PersistConfig = _key(PersistConfig)
     network: NetworkConfig = _key(NetworkConfig)
+    preemption: PreemptionConfig = _key(PreemptionConfig)
     slots: int = _key(DATA_SLOTS, kind=int, choices=SLOT_CHOICES)
     # What the job's slots may take of each node's shared memory (None: what the filesystem has free).
     shm_budget: Optional[str] = _key(kind=str, optional=True, rule=lambda spec: budget_bytes(spec, 1 << 40) is not None,

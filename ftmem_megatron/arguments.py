@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ftmem import DP_SHARD_CHOICES, SLOT_CHOICES, ConfigError, FtmemConfig
+from ftmem import DP_SHARD_CHOICES, PREEMPTION_GRACE_S, PREEMPTION_SIGNALS, SLOT_CHOICES, ConfigError, FtmemConfig
 
 # Megatron-LM's non-persistent checkpoint types; ftmem implements "in_memory".
 NON_PERSISTENT_TYPES = ("global", "local", "in_memory")
@@ -26,6 +26,8 @@ FTMEM_FLAGS = (
     ("--ftmem-slots", "ftmem_slots", "slots"),
     ("--ftmem-shm-budget", "ftmem_shm_budget", "shm_budget"),
     ("--ftmem-network-interface", "ftmem_network_interface", "network.interface"),
+    ("--ftmem-preemption-signal", "ftmem_preemption_signal", "preemption.signal"),
+    ("--ftmem-preemption-grace-s", "ftmem_preemption_grace_s", "preemption.grace_s"),
 )
 
 
@@ -55,6 +57,12 @@ def add_ftmem_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--ftmem-network-interface", default=None,
                        help="network interface ftmem's own gloo groups bind to, apart from the training's "
                             "(default: FTMEM_SOCKET_IFNAME, else the one gloo picks)")
+    group.add_argument("--ftmem-preemption-signal", choices=PREEMPTION_SIGNALS + ("none",), default=None,
+                       help="the signal that tells the job it will be stopped: every rank flushes the newest "
+                            "version to --save first, within the grace (default: SIGTERM; none: off)")
+    group.add_argument("--ftmem-preemption-grace-s", type=int, default=None,
+                       help=f"seconds that flush may take before the process ends anyway (default: "
+                            f"{PREEMPTION_GRACE_S}, under torchrun's 30 s)")
     group.add_argument("--ftmem-allow-disk-fallback", action="store_true",
                        help="when memory holds a version this job cannot use (another parallel layout or model), "
                             "load the persistent checkpoint from --load instead of stopping with the reason")
@@ -116,6 +124,11 @@ def validate_ftmem_args(args) -> FtmemConfig:
             section[key] = getattr(args, dest)
     if args.ftmem_network_interface is not None:
         section["network"] = {"interface": args.ftmem_network_interface}
+    preemption = getattr(args, "ftmem_preemption_signal", None), getattr(args, "ftmem_preemption_grace_s", None)
+    if preemption != (None, None):
+        section["preemption"] = {k: v for k, v in zip(("signal", "grace_s"), preemption) if v is not None}
+        if preemption[0] == "none":
+            section["preemption"]["signal"] = None
     section["allow_disk_fallback"] = bool(getattr(args, "ftmem_allow_disk_fallback", False))
     try:
         config = FtmemConfig.from_dict(section)  # the config's schema checks every value

@@ -96,8 +96,17 @@ class MegatronFormat(FrameworkFormat):
         return os.path.basename(iteration_dir("", state["iteration"]))
 
     def write_rank(self, state: Any, directory: str, rank: int, first_replica: bool, wrote) -> None:
-        if first_replica:
-            write_model_optim_rng(state, directory, wrote)
+        if not first_replica:
+            return
+        carried = state["torch_format"]
+        if "rng_state" not in carried:  # an in-memory save, flushed at a preemption: this rank's RNG is the entry
+            if getattr(carried["args"], "data_parallel_random_init", False):
+                raise FtmemError(
+                    f"version {state['iteration']} is an in-memory save of a job with --data-parallel-random-init, "
+                    f"whose checkpoint holds every DP rank's RNG states; only Megatron's persistent saves gather "
+                    f"them. It stays in memory; `ftmem export` writes it from there.")
+            carried["rng_state"] = [state["rng"]]
+        write_model_optim_rng(state, directory, wrote)
 
     def write_group(self, group: Sequence[int], read_state: Callable[[int], Any], directory: str, wrote) -> str:
         """DP rank 0's file; with ``--data-parallel-random-init`` holding every DP rank's RNG

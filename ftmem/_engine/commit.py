@@ -28,6 +28,11 @@ every rank takes alike (each step a collective over ftmem's groups):
    are free, and the handles of v and of every save before it are done;
 7. if the persistent tier is due, the flusher gets a private copy of v.
 
+At a preemption (:mod:`ftmem._engine.preemption`) every rank's protection thread opens its
+next round as always; the round's first collective carries whether any rank was told to
+stop, and then every rank, in step, writes the newest version every rank holds whole (else
+the anchor) to the persistent tier instead, and protects nothing more.
+
 A crash at any moment leaves the anchor intact on every rank; a crash of processes only
 also leaves the newest version every rank committed, which a restore finds on its own.
 """
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -69,6 +75,15 @@ class _Save:
     copied: bool = False  # committed on this rank
     finished: bool = False  # the copy thread is done with it (committed, skipped or failed)
     replaced: bool = False  # its slot was taken by a later save
+
+
+@dataclass(frozen=True)
+class FinalFlush:
+    """What the flush at a preemption did, the same on every rank."""
+
+    version: Optional[int]  # the version it was about (None: this run's memory held none)
+    written: bool  # False: it was on disk already, or could not be written
+    problem: Optional[str] = None  # why it was not written
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,8 @@ class Committer:
         self._persist_asked = False  # a save asked to be flushed; the next protected version is
         self._skipped_before = False
         self._lag_said = 0  # the lag, in versions, the log last said (said again when it grows or ends)
+        self._preempted_until: Optional[float] = None  # told to stop: the grace's end (monotonic)
+        self._final: Optional[FinalFlush] = None  # the flush at the preemption, once done
 
     @property
     def rank(self) -> int:
@@ -125,6 +142,9 @@ class Committer:
               persist: bool) -> None:
         save = _Save(handle, record, tensors, cuda_ready, persist)
         with self._cv:
+            if self._preempted_until is not None:  # no save after the signal: the process ends within the grace
+                self._cv.wait_for(lambda: False, timeout=max(0.0, self._preempted_until - time.monotonic()) + 5)
+                raise FtmemError("this rank was told to stop (a preemption) and its grace has ended: no more saves")
             self.raise_failure()
             self._saves[record.version] = save
             self._seen = record.version
@@ -149,6 +169,24 @@ class Committer:
                 self._saves.pop(v).handle._set_done(protected=False)
             if self._seen is not None and self._seen >= version:
                 self._seen = self._tried = None
+
+    def flush_at_preemption(self, deadline: float) -> Optional[FinalFlush]:
+        """Stop protecting, and write the newest version every rank holds whole to the
+        persistent tier (on every rank, once the job agreed it is preempted; the training
+        thread's next save waits for the process's end). The protection thread does it in
+        the round it opens next, in step with the other ranks. None if it did not end by
+        ``deadline`` (monotonic seconds)."""
+        with self._cv:
+            self._preempted_until = deadline
+            if self._protector is None:
+                self._protector = threading.Thread(target=self._protect_loop, name="ftmem-protect", daemon=True)
+                self._protector.start()
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._final is not None or self._failure is not None,
+                              timeout=max(0.0, deadline - time.monotonic()))
+            if self._final is None and self._failure is not None:
+                return FinalFlush(None, False, f"protection had stopped: {self._failure}")
+            return self._final
 
     def lag(self) -> Lag:
         with self._cv:
@@ -243,12 +281,14 @@ class Committer:
     def _protect_loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._stopping or self._seen != self._tried)
-                if self._seen == self._tried:  # stopping, with every save tried
+                self._cv.wait_for(lambda: self._stopping or self._seen != self._tried
+                                  or self._preempted_until is not None)
+                if self._seen == self._tried and self._preempted_until is None:  # stopping, with every save tried
                     return
                 self._in_round = True
             try:
-                self._round()
+                if self._round():
+                    return  # the flush at the preemption: nothing more to protect
             except BaseException as e:
                 with self._cv:
                     self._failure = self.memory.removed_error() or e
@@ -261,10 +301,17 @@ class Committer:
                     self._in_round = False
                     self._cv.notify_all()
 
-    def _round(self) -> None:
+    def _round(self) -> bool:
+        """One round; True if it was the flush at a preemption, the last."""
         with self._cv:
-            seen = self._seen
-        target = self._all_min(seen)  # every rank has started this save
+            seen, preempted = self._seen, self._preempted_until is not None
+        target, preempted = self._open_round(-1 if seen is None else seen, preempted)
+        if preempted:
+            final = self._flush_final()
+            with self._cv:
+                self._final = final
+                self._cv.notify_all()
+            return True
         with self._cv:
             save = self._saves.get(target)
             if save is not None and not save.replaced and not save.handle.skipped:
@@ -296,6 +343,39 @@ class Committer:
         self._say_lag(target, behind)
         if self.flusher is not None and self.flusher.due(asked=persist):
             self._hand_over_for_flush(record, self.memory.bytes_of(record.slot))
+        return False
+
+    def _open_round(self, seen: int, preempted: bool) -> tuple[int, bool]:
+        """A round's first collective: the newest save every rank has started (the least of
+        each rank's newest), and whether any rank was told to stop."""
+        if self._gloo is None:
+            return seen, preempted
+        agreed = torch.tensor([seen, -int(preempted)], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._gloo)
+        return int(agreed[0]), bool(agreed[1])
+
+    def _flush_final(self) -> FinalFlush:
+        """Write the newest version every rank holds whole (else the anchor) to the persistent
+        tier, in step with every rank (the flush at a preemption)."""
+        with self._cv:  # this rank's copies end (no save starts any more)
+            self._cv.wait_for(lambda: all(s.finished for s in self._saves.values()))
+            whole = {v: s.record for v, s in self._saves.items() if s.copied and not s.replaced}
+        version = self._all_min(max(whole, default=-1))
+        if version < 0 or not self._all_min(int(version in whole)):
+            version = self.anchor  # every rank holds it
+        if version is None:
+            return FinalFlush(None, False)
+        if self.flusher is None:
+            return FinalFlush(version, False, "no persistent tier is configured")
+        try:
+            self.flusher.wait()  # a flush still running ends first: the tier's group is its
+            if self.flusher.flushed_version == version:
+                return FinalFlush(version, False)
+            record = whole[version] if version in whole else self.store.read_commit(version)
+            self.flush_now(record, self.memory.bytes_of(record.slot))
+        except Exception as e:
+            return FinalFlush(version, False, str(e))
+        return FinalFlush(version, True)
 
     def _say_lag(self, protected: int, behind: int) -> None:
         """One log line when protection falls behind the saves, when it falls further behind

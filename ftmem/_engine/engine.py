@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import signal
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -36,7 +37,8 @@ from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
 from ftmem._common.collective import gather, new_group, vote
-from ftmem._common.logs import job_info, rank_warning
+from ftmem._common.logs import job_info, rank_info, rank_warning
+from ftmem._engine.preemption import PreemptionWatch, arrival_s, say_grace_ended, whole_job_told
 from ftmem._engine.ownership import refuse_another_node_layout, refuse_foreign_versions
 from ftmem._common.parallel import ParallelLayout, destroy_groups, make_dp_groups
 from ftmem._disk.persist import Flusher
@@ -47,6 +49,8 @@ from ftmem._engine.restore import Chosen, DataParallelPeers, Restored, Restorer,
 from ftmem._state.serialize import split_state
 from ftmem._shm.slot_memory import SlotMemory
 from ftmem._shm.slots import CommitRecord, RankStore, VersionRef
+from ftmem._shm.jobs import node_dirs
+from ftmem._shm.smp import rank_owner
 from ftmem._shm.smp_client import SmpClient
 
 __all__ = ["SnapshotEngine", "Restored"]
@@ -145,6 +149,7 @@ class SnapshotEngine:
         self._planner = Planner()
         self.lineage: Optional[VersionRef] = None  # recorded in each version (CommitRecord.lineage)
         self._closed = False
+        self._preemption = PreemptionWatch.install(self.config.preemption, rank, self._on_preemption)
 
     @property
     def rank(self) -> int:
@@ -271,6 +276,47 @@ class SnapshotEngine:
         record = self.store.read_commit(self.protected)
         self._committer.flush_now(record, self.memory.bytes_of(record.slot))
 
+    def _on_preemption(self, signum: int, deadline: float) -> None:
+        """The job may have been told to stop (``signum``; the process ends after this):
+        if every rank was, the newest version goes to the persistent tier by ``deadline``."""
+        name, lag = signal.Signals(signum).name, self.lag()
+        held = f"version {lag.newest_protected} protected, {lag.newest_saved} saved"
+        if self.flusher is None:
+            job_info("%s: no persistent tier (\"ftmem.persist\") to flush to: what memory holds (%s) is lost if the "
+                     "job's machines go", name, held)
+            return
+        try:
+            why_not = whole_job_told(self.rank, self.identity.world_size, self._dead_here,
+                                     arrival_s(self.config.preemption.grace_s))
+        except Exception as e:  # the job's store went first (the rank that served it died)
+            why_not = f"the job's store does not answer ({e})"
+        if why_not is not None:
+            rank_info(self.rank, "%s, not as a preemption of the whole job (%s): nothing is flushed; memory keeps "
+                      "%s for the restart", name, why_not, held)
+            return
+        job_info("%s to every rank: the newest version goes to %s before the processes end (%d s of grace)", name,
+                 self.flusher.root, self.config.preemption.grace_s)
+        final = self._committer.flush_at_preemption(deadline)
+        if final is None:
+            return say_grace_ended(self.rank, self.config.preemption.grace_s)
+        if final.written:
+            job_info("flushed version %d to %s at %s: a relaunch resumes from it", final.version, self.flusher.root,
+                     name)
+        elif final.problem is not None:
+            job_info("version %s was not flushed at %s (%s)", final.version, name, final.problem)
+        else:
+            job_info("at %s, version %s was on disk already", name, final.version)
+
+    def _dead_here(self) -> list[int]:
+        """The job's ranks on this host whose processes died (a failure's teardown follows)."""
+        rpn, dead = self.identity.ranks_per_node, []
+        for node, directory in node_dirs(self.identity.shm_dir, self.identity.job):
+            for rank in range(node * rpn, (node + 1) * rpn):
+                owner = rank_owner(directory, rank)
+                if rank != self.rank and owner is not None and not owner[1]:
+                    dead.append(rank)
+        return dead
+
     # -- restore --------------------------------------------------------------
     def versions(self) -> list[int]:
         """Versions this rank holds committed in shared memory, oldest first."""
@@ -326,6 +372,8 @@ class SnapshotEngine:
         if self._closed:
             return
         self._closed = True
+        if self._preemption is not None:
+            self._preemption.uninstall()
         try:
             self.wait_flushed()
         except BaseException:

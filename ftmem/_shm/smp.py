@@ -28,7 +28,8 @@ most ``MAX_HANDSHAKES`` are in progress at once.
 An SMP outlives only a job that may come back: once no rank it serves runs (none ever
 said hello, or all that did are dead) and none connects for ``FTMEM_SMP_GRACE_S``, it
 exits. The versions the node holds stay in shared memory for a restart (which starts a
-new SMP that finds them); a node that holds none (a start that failed) is freed.
+new SMP that finds them); a node that holds none (a start that failed) is freed. On SIGTERM
+(the node shutting down) it exits at once and frees nothing.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import struct
 import sys
@@ -155,6 +157,21 @@ def node_lock(node_dir: str, wait_s: float) -> Iterator[bool]:
         os.close(fd)
 
 
+def owner_file(node_dir: str, rank: int) -> str:
+    """Where the SMP records the process that said hello as ``rank``: ``"<pid> <start time>"``."""
+    return os.path.join(node_dir, f"owner.rank{rank:05d}")
+
+
+def rank_owner(node_dir: str, rank: int) -> Optional[tuple[int, bool]]:
+    """(pid, whether it still runs) of the process that said hello as ``rank`` on this node
+    (the start time tells a recycled pid from it); None if none did."""
+    try:
+        pid, started = (int(x) for x in read_private(owner_file(node_dir, rank)).split())
+    except (OSError, ValueError):  # missing, a link, or not two numbers
+        return None
+    return pid, pid_alive(pid) and process_start(pid) == started
+
+
 def read_key(node_dir: str) -> bytes:
     return read_private(os.path.join(node_dir, KEY_FILE))
 
@@ -209,16 +226,12 @@ class SnapshotManager:
             return ("ok", all(os.path.exists(self._finished_marker(r)) for r in self.ranks))
 
     def _owner_file(self, rank: int) -> str:
-        return os.path.join(self.node_dir, f"owner.rank{rank:05d}")
+        return owner_file(self.node_dir, rank)
 
     def _running_as(self, rank: int):
-        """The pid of the live process that said hello as ``rank``, if it still runs (the
-        start time tells a recycled pid from it)."""
-        try:
-            pid, started = (int(x) for x in read_private(self._owner_file(rank)).split())
-        except (OSError, ValueError):  # missing, a link, or not two numbers
-            return None
-        return pid if pid_alive(pid) and process_start(pid) == started else None
+        """The pid of the live process that said hello as ``rank``, if it still runs."""
+        owner = rank_owner(self.node_dir, rank)
+        return owner[0] if owner is not None and owner[1] else None
 
     def _finished_marker(self, rank: int) -> str:
         return os.path.join(self.node_dir, f"finished.rank{rank:05d}")
@@ -394,5 +407,14 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ftmem.smp[%(process)d] %(message)s")
     os.nice(10)  # its work (allocating, freeing) must yield the cores to training
     ranks = [int(r) for r in args.ranks.split(",")]
+    signal.signal(signal.SIGTERM, _exit_keeping_versions)
     SnapshotManager(args.node_dir, ranks).serve(smp_grace_s())
+
+
+def _exit_keeping_versions(signum, frame) -> None:
+    """SIGTERM (the node shutting down, a preemption): go, and leave every version where it
+    is. Ranks flushing a version read it from their own mappings, which outlive the SMP; a
+    restart on this node finds what is left."""
+    log.info("SIGTERM: exiting; the versions this node holds stay in shared memory")
+    os._exit(0)
 

@@ -130,6 +130,10 @@ class AdapterRuntime:
                                              first_replica=peers.ranks[0] == self.rank,
                                              world_size=self._engine.identity.world_size,
                                              interface=self._engine.network_interface))
+        elif config.preemption.signal is not None:
+            job_info("no persistent tier: a preemption of the whole job (%s to every node, then its machines gone) "
+                     "loses what memory holds; a persistent tier is flushed to at that signal (docs/operations.md, "
+                     "\"Preemption\")", config.preemption.signal)
         self._crashed = self._finished = False
         self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (plan_resume's named)
         self._adopted: Optional[Adopted] = None  # another world's version this job resumed from, until freed

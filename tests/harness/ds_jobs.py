@@ -54,8 +54,9 @@ def _reference(config, world, root, env, extra):
     for rank in range(world):
         assert "checkpoint engine TorchCheckpointEngine" in job.log(rank), job.log(rank)[-3000:]
         assert f"rank {rank}: ftmem modules loaded: none" in job.log(rank), job.log(rank)[-3000:]
+    iters = int(extra[list(extra).index("--iters") + 1]) if "--iters" in extra else ITERS
     with open(os.path.join(job.save_dir, "latest")) as f:
-        assert f.read() == f"global_step{ITERS}"  # the default engine saved every step
+        assert f.read() == f"global_step{iters}"  # the default engine saved every step
     return job.out
 
 

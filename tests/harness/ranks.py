@@ -187,6 +187,11 @@ class ForkedRank:
             raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
         return self.returncode
 
+    def send_signal(self, signum: int) -> None:
+        """As a scheduler sends it (SIGTERM: a preemption), to a rank that still runs."""
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
     def kill(self) -> None:
         # Through the server: a rank may end, and be reaped, between a poll here and a kill
         # here (its report still on the way), and its pid be another process's by then.

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,7 @@ from ftmem_deepspeed.stub import is_stub
 from harness.ds_jobs import (CONFIGS, ENV, ITERS, STOCK_ENV, STOP, TIMEOUT, DSJob, config_pair, reference,
                              stock_deepspeed_load, stock_script)
 from harness.toy import assert_same_training
+from examples.engine.demo import read_losses
 
 @pytest.mark.parametrize("config, world, lost_node, ftmem", [
     ("zero0.json", 3, 2, None),  # no ZeRO: the optimizer state is replicated too, and DP-sharded
@@ -688,20 +690,34 @@ def test_resumes_from_checkpoints_of_the_default_engine(shm_dir, tmp_path):
     assert "from memory" not in switched.log(0)
 
 
-@pytest.mark.parametrize("config", ["zero1.json", "zero3.json"])
-def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, shm_dir, tmp_path):
-    """k=2, m=1 over 3 nodes, every 3rd protected version flushed to disk. Two nodes lost:
-    memory cannot serve, the job resumes from the flushed version bitwise; the flushed
-    directory is a stock DeepSpeed checkpoint (loads without ftmem, zero_to_fp32 converts it)."""
+@pytest.mark.parametrize("config, end", [("zero1.json", "killed"), ("zero3.json", "preempted, the flush too slow")])
+def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, end, shm_dir, tmp_path):
+    """k=2, m=1 over 3 nodes, every 3rd protected version flushed to disk. The ranks are
+    SIGKILLed; or they get SIGTERM, as in a preemption, and the flush of the newest version
+    (4) outlasts the grace (one rank's write of it stops halfway): they end when the grace
+    does, and the older checkpoint stays the newest on disk. Two nodes lost: memory cannot
+    serve, the job resumes from the flushed version bitwise; the flushed directory is a
+    stock DeepSpeed checkpoint (loads without ftmem, zero_to_fp32 converts it)."""
     persist = str(tmp_path / "persist")
-    ftmem = {"persist": {"dir": persist, "interval": 3, "keep": 1}}
+    preempted = end != "killed"
+    ftmem = {"persist": {"dir": persist, "interval": 3, "keep": 1}, "preemption": {"grace_s": 4}}
     ref = reference(config, 3, str(tmp_path / "reference"))
     job = DSJob(config, 3, shm_dir, str(tmp_path / "run"), ftmem=ftmem)
-    with job.start("--stop-after", str(STOP)) as run:  # versions 1..4 saved; 3 flushed
+    slow = {1: {"FTMEM_TEST_HOOK": "mid_flush:pause:rank=1:version=4", "FTMEM_TEST_HOOK_DIR": str(tmp_path)}}
+    with job.start("--stop-after", str(STOP), rank_env=slow if preempted else None) as run:  # 1..4 saved; 3 flushed
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(3)), TIMEOUT, f"step {STOP}")
+        if preempted:
+            for proc in run.procs:
+                proc.send_signal(signal.SIGTERM)
+            assert run.wait(TIMEOUT) == [-signal.SIGTERM] * 3, run.tails()
+            assert os.path.exists(tmp_path / "paused.rank1.v4")  # the flush of version 4 had begun
         run.kill_all()
-    assert sorted(os.listdir(persist)) == ["ftmem_flushed.json", "global_step3", "latest", "zero_to_fp32.py",
-                                           "zero_to_torch.py"]
+    leftover = [".global_step4.tmp"] if preempted else []  # the cut flush's, removed by the next flush
+    assert sorted(os.listdir(persist)) == leftover + ["ftmem_flushed.json", "global_step3", "latest",
+                                                      "zero_to_fp32.py", "zero_to_torch.py"]
+    if preempted:
+        assert "SIGTERM to every rank: the newest version goes to" in job.log(0)
+        assert "the 4 s of grace (\"ftmem.preemption.grace_s\") ended before the flush did" in job.log(1)
     exported = str(tmp_path / "exported")
     out = run_cli("export", "--job", job.job, "--shm-dir", shm_dir, "--out", exported)
     newest = STOP + 1  # memory's newest version: the step after the last one trained
@@ -735,6 +751,57 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, shm
     weights = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(persist)
     final = torch.load(os.path.join(job.out, "rank0.final.pt"))
     assert weights.keys() == final.keys() and all(torch.equal(weights[k], final[k]) for k in final)
+
+
+PREEMPTED_ITERS = 40
+
+
+def test_a_preempted_job_flushes_its_newest_version_and_the_relaunch_resumes_from_it_bitwise(shm_dir, tmp_path):
+    """k=2, m=1 over 3 nodes, the persistent tier every 100 versions (never, in this run).
+    Mid-training every process of every node, ranks and SMPs, gets SIGTERM, as a scheduler's
+    preemption sends it: the ranks flush the newest version every rank holds and end by
+    SIGTERM, as without ftmem. Every node's shared memory is lost, as with the machines. The
+    same command relaunched resumes from the flushed version, bitwise against an uninterrupted
+    run with DeepSpeed's default engine."""
+    config, iters = "zero1.json", ("--iters", str(PREEMPTED_ITERS))
+    persist = str(tmp_path / "persist")
+    ftmem = {"persist": {"dir": persist, "interval": 100, "keep": 1}}
+    ref = reference(config, 3, str(tmp_path / "reference"), extra=iters)
+    job = DSJob(config, 3, shm_dir, str(tmp_path / "run"), ftmem=ftmem)
+
+    def trained() -> list[int]:
+        return [len(read_losses(job.out, r)) if os.path.exists(os.path.join(job.out, f"rank{r}.losses.jsonl")) else 0
+                for r in range(3)]
+
+    with job.start(*iters) as run:
+        run.wait_for(lambda: min(trained()) >= 5, TIMEOUT, "5 steps on every rank")
+        smps = [node["smp_pid"] for node in jobs.status(shm_dir, job.job)["jobs"][0]["nodes"]]
+        before = min(trained())
+        for proc in run.procs:
+            proc.send_signal(signal.SIGTERM)
+        for pid in smps:
+            os.kill(pid, signal.SIGTERM)
+        codes = run.wait(TIMEOUT)
+    assert codes == [-signal.SIGTERM] * 3, run.tails()  # ended as SIGTERM ends a process without ftmem
+    flushed = re.search(r"flushed version (\d+) to \S+ at SIGTERM: a relaunch resumes from it", job.log(0))
+    assert flushed, job.log(0)[-5000:]
+    version = int(flushed.group(1))
+    assert before <= version < PREEMPTED_ITERS  # no step trained before the signal is lost
+    assert "SIGTERM: exiting; the versions this node holds stay in shared memory" in _smp_logs(shm_dir, job.job)
+    for node in range(3):  # the machines are gone: nothing in memory survives
+        jobs.lose_node(shm_dir, job.job, node)
+    with open(os.path.join(persist, "latest")) as f:
+        assert f.read() == f"global_step{version}"
+
+    assert job.run(*iters, "--load") == [0] * 3, job.log(0)[-5000:]
+    for rank in range(3):
+        assert logged(restored_from_disk(version, f"{persist}/global_step{version}", rank, ANY), job.log(rank))
+    assert_same_training(job.out, ref, 3, PREEMPTED_ITERS)
+
+
+def _smp_logs(shm_dir: str, job: str) -> str:
+    return "".join(open(os.path.join(d, f)).read() for _, d in jobs.node_dirs(shm_dir, job)
+                   for f in os.listdir(d) if f.endswith(".log"))
 
 
 @pytest.mark.parametrize("restart", ["two nodes lost", "memory cleaned", "half the ranks",

@@ -7,6 +7,7 @@ per-iteration losses and every rank's final parameters and optimizer state."""
 import os
 import re
 import shutil
+import signal
 
 import pytest
 
@@ -380,12 +381,13 @@ def test_megatron_s_load_flags_shape_a_load_from_memory_as_one_from_disk(flags, 
     assert resumed["losses"] == ref["losses"] and resumed["digests"] == ref["digests"]
 
 
-def test_losing_more_than_m_nodes_resumes_from_the_checkpoint_written_from_memory(shm_dir, tmp_path):
+def test_a_preempted_job_resumes_from_the_checkpoint_written_from_memory_at_sigterm(shm_dir, tmp_path):
     """TP 2 x DP 2 on 4 virtual nodes, one EC group with m=1. Megatron's persistent saves
     (every 3 iterations) are snapshots flushed to --save in the background, in
-    Megatron-LM's --ckpt-format torch layout. Two nodes of the group are lost: memory
-    cannot serve, and the job resumes from the newest flushed checkpoint (iteration 3,
-    older than memory's 5), bitwise from there on."""
+    Megatron-LM's --ckpt-format torch layout. After iteration 5 every rank gets SIGTERM, as
+    in a preemption: the ranks flush memory's newest version (5) too, and end by SIGTERM. Two
+    nodes of the group are lost: memory cannot serve, and the job resumes from the checkpoint
+    written at the SIGTERM, bitwise from there on."""
     import torch
 
     world, parallel = 4, ["--tensor-model-parallel-size", "2"]
@@ -401,10 +403,13 @@ def test_losing_more_than_m_nodes_resumes_from_the_checkpoint_written_from_memor
     ckpt = os.path.join(job.root, "ckpt")
     with job.start("--stop-after", "5") as run:
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, "iteration 5")
-        run.kill_all()
+        for proc in run.procs:
+            proc.send_signal(signal.SIGTERM)
+        assert run.wait(TIMEOUT) == [-signal.SIGTERM] * world, run.tails()
     assert f"ftmem: rank 0: flushed version 3 to {ckpt}/iter_0000003" in job.log(0)
+    assert f"ftmem: flushed version 5 to {ckpt} at SIGTERM: a relaunch resumes from it" in job.log(0)
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
-        assert f.read() == "3"
+        assert f.read() == "5"
     assert sorted(os.listdir(os.path.join(ckpt, "iter_0000003"))) == ["mp_rank_00", "mp_rank_01"]
     assert not [name for name in os.listdir(ckpt) if name.endswith(".tmp")]
     # Megatron-LM's keys and forms: plain tensors in the model, one RNG entry (the writer's:
@@ -432,10 +437,10 @@ def test_losing_more_than_m_nodes_resumes_from_the_checkpoint_written_from_memor
     assert out.returncode == 2 and "ranks [1, 2] have no node directory here" in out.stderr
     job.run(str(tmp_path / "resumed.json"))
     for rank in range(world):
-        assert logged(restored_from_disk(3, ckpt, rank, "no version is recoverable from memory" + ANY), job.log(rank))
+        assert logged(restored_from_disk(5, ckpt, rank, "no version is recoverable from memory" + ANY), job.log(rank))
     assert "Newest held: version 5: " in job.log(0)
     resumed = read_json(str(tmp_path / "resumed.json"))
-    assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(4, ITERS + 1)}
+    assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(6, ITERS + 1)}
     assert resumed["digests"] == ref["digests"]
     assert jobs.list_jobs(shm_dir) == []
 

@@ -1,0 +1,182 @@
+"""A preemption: the job told to stop (a scheduler's SIGTERM, then SIGKILL once a grace
+period ends, and the machines gone), which memory does not survive. ftmem turns the warning
+into a flush of the newest version to the persistent tier, then ends the process as the
+signal would have.
+
+How a rank hears it. A Python signal handler runs in the main thread, between two
+bytecodes; a main thread inside a collective of the training whose peers have stopped
+never gets there. So ftmem's handler only marks the signal as ftmem's, and what acts is a
+thread of ftmem's, woken by the byte the interpreter's C-level handler writes to the wakeup
+fd (:func:`signal.set_wakeup_fd`), whatever the main thread is doing. A signal that already
+has a handler when the engine starts (the script's, Megatron's ``--exit-signal-handler``) is
+left to it.
+
+A preemption or a teardown. torchrun also sends SIGTERM to a node's ranks when one of them
+failed, and every node's agent then stops its ranks to restart the job: memory still holds
+the newest version, and a flush would only delay the restart. A rank tells the two apart by
+whether *every* rank of the job got the signal: each counts itself on the job's store, and a
+rank that finds a rank of its host dead (the failure a teardown follows) says so there, which
+ends the wait for every rank. Every rank counted within :func:`arrival_s`: a preemption.
+Otherwise a teardown, or a part of the job stopping (its nodes' loss is what erasure coding is
+for): nothing is flushed, and the process ends once the wait ends.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from ftmem._common.logs import rank_info, rank_warning
+from ftmem.config import PreemptionConfig
+
+ARRIVED_KEY = "ftmem/preemption/arrived"  # on the job's store: how many ranks were told to stop
+TEARDOWN_KEY = "ftmem/preemption/teardown"  # on the job's store: why this is no preemption, once a rank knows
+POLL_S = 0.05
+
+
+def arrival_s(grace_s: float) -> float:
+    """How long a rank waits for every rank to be told to stop: a scheduler signals a job's
+    ranks within a second or two; a teardown costs at most this."""
+    return min(10.0, grace_s / 3)
+
+
+def _noted(signum, frame) -> None:
+    """ftmem's handler, in the main thread: its watch thread acts on the signal. Without an
+    active watch (its engine closed), the signal does what it does without ftmem."""
+    if not any(w.signum == signum for w in _active):
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+_active: list["PreemptionWatch"] = []
+
+
+class PreemptionWatch:
+    """Acts on one signal in a thread of its own: ``on_signal(signum, deadline)`` (monotonic
+    seconds) runs within the grace, then the process ends by the signal's default action."""
+
+    def __init__(self, signum: int, grace_s: float, rank: int, on_signal: Callable[[int, float], None],
+                 reader: socket.socket, writer: socket.socket, previous):
+        self.signum, self.grace_s, self.rank, self._previous = signum, grace_s, rank, previous
+        self._on_signal, self._reader, self._writer = on_signal, reader, writer
+        self._thread = threading.Thread(target=self._watch, name="ftmem-preemption", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def install(cls, config: PreemptionConfig, rank: int,
+                on_signal: Callable[[int, float], None]) -> Optional["PreemptionWatch"]:
+        """The watch of ``config.signal`` (None where it is off, the signal has a handler
+        already, or this is not the main thread, which alone may set handlers)."""
+        if config.signal is None:
+            return None
+        signum = getattr(signal, config.signal)
+        if threading.current_thread() is not threading.main_thread():
+            rank_warning(rank, "ftmem started outside the main thread, where no signal handler can be set: a %s "
+                         "ends the process without a flush", config.signal)
+            return None
+        current = signal.getsignal(signum)
+        if current is _noted:  # another engine of this process watches it
+            return None
+        if current not in (signal.SIG_DFL, signal.default_int_handler):
+            rank_info(rank, "%s has a handler of its own (%r): ftmem leaves the signal to it and does not flush on "
+                      "it (\"ftmem.preemption.signal\" names another)", config.signal, current)
+            return None
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        if previous != -1:  # an event loop's (asyncio's): it keeps it
+            signal.set_wakeup_fd(previous)
+            reader.close(), writer.close()
+            rank_info(rank, "the process's signal wakeup fd is in use: ftmem does not flush on %s", config.signal)
+            return None
+        signal.signal(signum, _noted)
+        watch = cls(signum, config.grace_s, rank, on_signal, reader, writer, current)
+        _active.append(watch)
+        return watch
+
+    def uninstall(self) -> None:
+        """The signal does what it did before the engine started (from the main thread; from
+        another, :func:`_noted` does that when the signal comes)."""
+        if self in _active:
+            _active.remove(self)
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(self.signum) is _noted:
+                signal.signal(self.signum, self._previous)
+            with_ours = signal.set_wakeup_fd(-1)
+            if with_ours not in (-1, self._writer.fileno()):
+                signal.set_wakeup_fd(with_ours)
+        self._writer.close()  # the watch thread reads the end of the stream and returns
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = self._reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if self.signum in data and self in _active:
+                return self._act()
+
+    def _act(self) -> None:
+        deadline = time.monotonic() + self.grace_s
+        if signal.getsignal(self.signum) is _noted:  # else a handler set since decides
+            worker = threading.Thread(target=self._on_signal, args=(self.signum, deadline),
+                                      name="ftmem-preemption-flush", daemon=True)
+            worker.start()
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
+                say_grace_ended(self.rank, self.grace_s)
+            end_process(self.signum)
+
+
+def say_grace_ended(rank: int, grace_s: float) -> None:
+    rank_warning(rank, "the %d s of grace (\"ftmem.preemption.grace_s\") ended before the flush did: the newest "
+                 "checkpoint on disk stays what it was; ending the process", grace_s)
+
+
+def end_process(signum: int) -> None:
+    """End this process by ``signum``'s default action, from any thread (``signal.signal`` is
+    the main thread's alone), so that the launcher sees the exit it would see without ftmem."""
+    for handler in logging.getLogger().handlers + logging.getLogger("ftmem").handlers:
+        handler.flush()
+    sys.stdout.flush(), sys.stderr.flush()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+    libc.signal(signum, None)  # SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(1.0)  # the signal is pending for some thread; should none take it, exit as it would
+    os._exit(128 + signum)
+
+
+def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]], wait_s: float) -> Optional[str]:
+    """None if every rank of the job was told to stop within ``wait_s`` (a preemption);
+    else why this is none: ranks of this host dead (a teardown after a failure), or ranks
+    that were not told."""
+    if world_size == 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    end = time.monotonic() + wait_s
+    count = store.add(ARRIVED_KEY, 1)
+    while True:
+        dead = dead_here()
+        if dead:
+            why = f"rank(s) {dead} of this host had died first, as in a teardown after a failure"
+            store.set(TEARDOWN_KEY, why)
+            return why
+        if count >= world_size:
+            return None
+        if store.check([TEARDOWN_KEY]):
+            return store.get(TEARDOWN_KEY).decode()
+        if time.monotonic() > end:
+            return f"only {count} of the job's {world_size} ranks were told to stop within {wait_s:g} s"
+        time.sleep(POLL_S)
+        count = store.add(ARRIVED_KEY, 0)
