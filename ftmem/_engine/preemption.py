@@ -15,8 +15,8 @@ A preemption or a teardown. torchrun also sends SIGTERM to a node's ranks when o
 failed, and every node's agent then stops its ranks to restart the job: memory still holds
 the newest version, and a flush would only delay the restart. A rank tells the two apart by
 whether *every* rank of the job got the signal: each counts itself on the job's store, and a
-rank that finds a rank of its host dead (the failure a teardown follows) says so there, which
-ends the wait for every rank. Every rank counted within :func:`arrival_s`: a preemption.
+rank that finds a rank of its host dead (the failure a teardown follows) decides it is none,
+which ends the wait for every rank: the first decision on the store holds for all. Every rank counted within :func:`arrival_s`: a preemption.
 Otherwise a teardown, or a part of the job stopping (its nodes' loss is what erasure coding is
 for): nothing is flushed, and the process ends once the wait ends.
 """
@@ -38,7 +38,8 @@ from ftmem._common.logs import rank_info, rank_warning
 from ftmem.config import PreemptionConfig
 
 ARRIVED_KEY = "ftmem/preemption/arrived"  # on the job's store: how many ranks were told to stop
-TEARDOWN_KEY = "ftmem/preemption/teardown"  # on the job's store: why this is no preemption, once a rank knows
+DECIDED_KEY = "ftmem/preemption/decided"  # on the job's store: "go" (flush), or why this is no preemption
+_GO = b"go"
 POLL_S = 0.05
 
 
@@ -158,9 +159,10 @@ def end_process(signum: int) -> None:
 
 
 def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]], wait_s: float) -> Optional[str]:
-    """None if every rank of the job was told to stop within ``wait_s`` (a preemption);
-    else why this is none: ranks of this host dead (a teardown after a failure), or ranks
-    that were not told."""
+    """None if every rank of the job was told to stop within ``wait_s`` (a preemption); else
+    why this is none: ranks of this host dead (a teardown after a failure), or ranks that
+    were not told. Decided once, on the job's store (as :mod:`ftmem._engine.rendezvous` does):
+    every rank follows the first answer, so that no rank flushes while another has gone."""
     if world_size == 1:
         return None
     store = dist.distributed_c10d._get_default_store()
@@ -170,13 +172,14 @@ def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]
         dead = dead_here()
         if dead:
             why = f"rank(s) {dead} of this host had died first, as in a teardown after a failure"
-            store.set(TEARDOWN_KEY, why)
-            return why
+            break
         if count >= world_size:
-            return None
-        if store.check([TEARDOWN_KEY]):
-            return store.get(TEARDOWN_KEY).decode()
-        if time.monotonic() > end:
-            return f"only {count} of the job's {world_size} ranks were told to stop within {wait_s:g} s"
+            why = None
+            break
+        if store.check([DECIDED_KEY]) or time.monotonic() > end:
+            why = f"only {count} of the job's {world_size} ranks were told to stop within {wait_s:g} s"
+            break
         time.sleep(POLL_S)
         count = store.add(ARRIVED_KEY, 0)
+    decided = store.compare_set(DECIDED_KEY, b"", _GO if why is None else why.encode()).decode()
+    return None if decided == _GO.decode() else decided
