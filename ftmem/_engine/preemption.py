@@ -177,7 +177,7 @@ def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]
             why = None
             break
         if store.check([DECIDED_KEY]) or time.monotonic() > end:
-            why = f"only {count} of the job's {world_size} ranks were told to stop within {wait_s:g} s"
+            why = f"only {count} of the job's {world_size} ranks were told to stop within {wait_s:.1f} s"
             break
         time.sleep(POLL_S)
         count = store.add(ARRIVED_KEY, 0)

@@ -690,28 +690,36 @@ def test_resumes_from_checkpoints_of_the_default_engine(shm_dir, tmp_path):
     assert "from memory" not in switched.log(0)
 
 
-@pytest.mark.parametrize("config, end", [("zero1.json", "killed"), ("zero3.json", "preempted, the flush too slow")])
+@pytest.mark.parametrize("config, end", [("zero1.json", "torn down"), ("zero3.json", "preempted, the flush too slow")])
 def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, end, shm_dir, tmp_path):
-    """k=2, m=1 over 3 nodes, every 3rd protected version flushed to disk. The ranks are
-    SIGKILLed; or they get SIGTERM, as in a preemption, and the flush of the newest version
-    (4) outlasts the grace (one rank's write of it stops halfway): they end when the grace
-    does, and the older checkpoint stays the newest on disk. Two nodes lost: memory cannot
-    serve, the job resumes from the flushed version bitwise; the flushed directory is a
-    stock DeepSpeed checkpoint (loads without ftmem, zero_to_fp32 converts it)."""
+    """k=2, m=1 over 3 nodes, every 3rd protected version flushed to disk. Rank 1 is
+    SIGKILLed and the others get SIGTERM, as torchrun tears a job down after a failure: not a
+    preemption, nothing is flushed. Or every rank gets SIGTERM, as in a preemption, and the
+    flush of the newest version (4) outlasts the grace (one rank's write of it stops
+    halfway): they end when the grace does, and the older checkpoint stays the newest on
+    disk. Two nodes lost: memory cannot serve, the job resumes from the flushed version
+    bitwise; the flushed directory is a stock DeepSpeed checkpoint (loads without ftmem,
+    zero_to_fp32 converts it)."""
     persist = str(tmp_path / "persist")
-    preempted = end != "killed"
+    preempted = end != "torn down"
     ftmem = {"persist": {"dir": persist, "interval": 3, "keep": 1}, "preemption": {"grace_s": 4}}
     ref = reference(config, 3, str(tmp_path / "reference"))
     job = DSJob(config, 3, shm_dir, str(tmp_path / "run"), ftmem=ftmem)
     slow = {1: {"FTMEM_TEST_HOOK": "mid_flush:pause:rank=1:version=4", "FTMEM_TEST_HOOK_DIR": str(tmp_path)}}
     with job.start("--stop-after", str(STOP), rank_env=slow if preempted else None) as run:  # 1..4 saved; 3 flushed
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(3)), TIMEOUT, f"step {STOP}")
+        if not preempted:
+            run.kill(1)
+        for proc in run.procs:
+            proc.send_signal(signal.SIGTERM)
+        assert run.wait(TIMEOUT) == [-signal.SIGTERM, -signal.SIGKILL if not preempted else -signal.SIGTERM,
+                                     -signal.SIGTERM], run.tails()
         if preempted:
-            for proc in run.procs:
-                proc.send_signal(signal.SIGTERM)
-            assert run.wait(TIMEOUT) == [-signal.SIGTERM] * 3, run.tails()
             assert os.path.exists(tmp_path / "paused.rank1.v4")  # the flush of version 4 had begun
-        run.kill_all()
+        else:
+            for rank in (0, 2):
+                assert (f"ftmem: rank {rank}: SIGTERM, not as a preemption of the whole job (rank(s) [1] of this host "
+                        f"had died first, as in a teardown after a failure): nothing is flushed") in job.log(rank)
     leftover = [".global_step4.tmp"] if preempted else []  # the cut flush's, removed by the next flush
     assert sorted(os.listdir(persist)) == leftover + ["ftmem_flushed.json", "global_step3", "latest",
                                                       "zero_to_fp32.py", "zero_to_torch.py"]
