@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -44,18 +45,24 @@ MICRO_BATCH = 2
 ITERATION_CASES = {"tokens128": (2, 1), "tokens2048": (32, 1), "tokens128_one_node": (2, 2)}
 
 
-def _config(ftmem: bool, shm_dir: str, micro_batch: int, ranks_per_node: int, persist_dir: str = None) -> dict:
+def zero1_config(micro_batch: int, lr: float, ftmem: Optional[dict]) -> dict:
+    """DeepSpeed ZeRO-1 with torch's AdamW; with ftmem's engine, configured by ``ftmem``, unless it is None."""
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
         "zero_optimization": {"stage": 1},
     }
-    if ftmem:
+    if ftmem is not None:
         config["checkpoint"] = {"engine": "ftmem"}
-        config["ftmem"] = {"ranks_per_node": ranks_per_node, "shm_dir": shm_dir}
-        if persist_dir:
-            config["ftmem"]["persist"] = {"dir": persist_dir, "interval": 1, "keep": 1}
+        config["ftmem"] = ftmem
     return config
+
+
+def _config(ftmem: bool, shm_dir: str, micro_batch: int, ranks_per_node: int, persist_dir: str = None) -> dict:
+    section = {"ranks_per_node": ranks_per_node, "shm_dir": shm_dir}
+    if persist_dir:
+        section["persist"] = {"dir": persist_dir, "interval": 1, "keep": 1}
+    return zero1_config(micro_batch, 1e-4, section if ftmem else None)
 
 
 def worker(argv=None) -> None:

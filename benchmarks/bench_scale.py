@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from benchmarks.bench_deepspeed import zero1_config
 from examples.launch import FIGURES, report_figures
 from examples.process_end import end_process
 
@@ -49,16 +50,8 @@ KINDS = ("nosave", "ftmem", "blocking")
 
 
 def _config(ftmem: bool, micro_batch: int) -> dict:
-    config = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 1},
-    }
-    if ftmem:
-        config["checkpoint"] = {"engine": "ftmem"}
-        config["ftmem"] = {"ranks_per_node": 1, "shm_dir": "/dev/shm", "ec": dict(EC),
-                           "network": {"interface": "front"}}
-    return config
+    section = {"ranks_per_node": 1, "shm_dir": "/dev/shm", "ec": dict(EC), "network": {"interface": "front"}}
+    return zero1_config(micro_batch, 1e-3, section if ftmem else None)
 
 
 class ProtectionWatch:
