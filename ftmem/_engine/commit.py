@@ -363,6 +363,8 @@ class Committer:
         version = self._all_min(max(whole, default=-1))
         if version < 0 or not self._all_min(int(version in whole)):
             version = self.anchor  # every rank holds it
+        with self._cv:  # a save this rank starts before it hears of the signal leaves its slot alone
+            self._claimed = version
         if version is None:
             return FinalFlush(None, False)
         if self.flusher is None:
