@@ -38,7 +38,8 @@ from ftmem import (LayoutMismatch, NotRecoverableFromMemory, SnapshotEngine, res
 
 IN, HIDDEN, OUT = 32, 64, 8
 # Flags that configure the snapshots, refused with --no-snapshots (which takes none).
-SNAPSHOT_FLAGS = ("stop_after", "ranks_per_node", "shm_dir", "ec_k", "ec_m", "dp_shard", "protect_each")
+SNAPSHOT_FLAGS = ("stop_after", "ranks_per_node", "shm_dir", "ec_k", "ec_m", "dp_shard", "protect_each",
+                  "protect_first")
 
 
 def build_model() -> torch.nn.Module:
@@ -67,6 +68,9 @@ def main(argv=None) -> None:
                         help="wait for each save's protection before the next save, so that every version is "
                              "protected in turn (for kills at one version's protection step); without it "
                              "protection runs behind the saves and takes the newest")
+    parser.add_argument("--protect-first", action="store_true",
+                        help="wait for the first save's protection before the next save, so that a version is "
+                             "protected before protection falls behind (for tests that hold a later protection)")
     parser.add_argument("--no-snapshots", action="store_true",
                         help="train without ftmem: no SnapshotEngine, nothing saved or restored (a reference run)")
     args = parser.parse_args(argv)
@@ -129,7 +133,7 @@ def main(argv=None) -> None:
         losses.flush()
         if engine is None:
             continue
-        if handle is not None and args.protect_each:
+        if handle is not None and (args.protect_each or (args.protect_first and it == start + 1)):
             handle.wait_protected()
         snapshot = state(it)
         # Model and optimizer state are identical on every rank (averaged gradients);
