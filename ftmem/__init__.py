@@ -18,14 +18,14 @@ from ftmem._engine.handle import SaveHandle
 from ftmem._engine.restore import Restored, RestoreTimes
 from ftmem._state.destinations import RestoreTargets, TensorPlace
 from ftmem._state.rng import rng_states, set_rng_states
-from ftmem.config import DP_SHARD_CHOICES, PREEMPTION_GRACE_S, PREEMPTION_SIGNALS, SLOT_CHOICES, FtmemConfig
+from ftmem.config import DP_SHARD_CHOICES, FAILURE_TIMEOUT_S, PREEMPTION_GRACE_S, PREEMPTION_SIGNALS, SLOT_CHOICES, FtmemConfig
 from ftmem.errors import (CollectiveNotJoined, ConfigError, CorruptShard, EcGeometryMismatch, ForeignVersions,
                           FtmemError, JobAlreadyRunning, LayoutMismatch, NoRecoverableVersion, NotRecoverableFromMemory,
                           SharedMemoryRemoved, ShmBudgetError, SmpError, SmpUnresponsive, UnadmittedType,
                           UnsafeSharedMemory, UnsupportedTensor)
 
 __all__ = [
-    "SnapshotEngine", "FtmemConfig", "DP_SHARD_CHOICES", "SLOT_CHOICES", "PREEMPTION_SIGNALS", "PREEMPTION_GRACE_S", "ParallelLayout", "SaveHandle", "Restored",
+    "SnapshotEngine", "FtmemConfig", "DP_SHARD_CHOICES", "SLOT_CHOICES", "PREEMPTION_SIGNALS", "PREEMPTION_GRACE_S", "FAILURE_TIMEOUT_S", "ParallelLayout", "SaveHandle", "Restored",
     "RestoreTimes",
     "rng_states", "set_rng_states",
     # what a restore writes into, instead of new memory (SnapshotEngine.restore's into=)

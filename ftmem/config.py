@@ -209,6 +209,35 @@ class PreemptionConfig(_Section):
     grace_s: int = _key(PREEMPTION_GRACE_S, kind=int, minimum=1)
 
 
+# How long a rank may go without a heartbeat before the job counts it lost: well above what a busy
+# but healthy node shows (a slow step, a long flush, a straggler), and far below the collective
+# timeout the survivors wait for without a detector (NCCL's 10 minutes, gloo's 30).
+FAILURE_TIMEOUT_S = 60
+# Sets it where the config does not (an operator's or a test suite's tuning).
+FAILURE_TIMEOUT_ENV = "FTMEM_FAILURE_TIMEOUT_S"
+
+
+@dataclass(frozen=True)
+class FailureDetectionConfig(_Section):
+    """Heartbeats between the job's ranks (ftmem._engine.failure_detector): a rank that stops
+    answering for ``timeout_s`` ends every other rank, so that the launcher restarts the job
+    at once instead of after the training collective's timeout."""
+
+    KEY: ClassVar[str] = "ftmem.failure_detection"
+
+    enabled: bool = _key(True, kind=bool)
+    timeout_s: Optional[int] = _key(kind=int, optional=True, minimum=1)  # None: FTMEM_FAILURE_TIMEOUT_S, else 60
+
+    def resolve(self) -> Optional[float]:
+        """The timeout in seconds; None where detection is off."""
+        if not self.enabled:
+            return None
+        if self.timeout_s is not None:
+            return float(self.timeout_s)
+        return seconds_from_env(FAILURE_TIMEOUT_ENV, FAILURE_TIMEOUT_S, minimum=1,
+                                what="how long a rank may go without a heartbeat before the job counts it lost")
+
+
 # Names ftmem's network interface where the config does not (GLOO_SOCKET_IFNAME's counterpart).
 INTERFACE_ENV = "FTMEM_SOCKET_IFNAME"
 INTERFACE_RULE = "a network interface's name (1-15 characters, without '/', ':' or white space)"
@@ -330,6 +359,7 @@ class FtmemConfig(_Section):
     persist: PersistConfig = _key(PersistConfig)
     network: NetworkConfig = _key(NetworkConfig)
     preemption: PreemptionConfig = _key(PreemptionConfig)
+    failure_detection: FailureDetectionConfig = _key(FailureDetectionConfig)
     slots: int = _key(DATA_SLOTS, kind=int, choices=SLOT_CHOICES)
     # What the job's slots may take of each node's shared memory (None: what the filesystem has free).
     shm_budget: Optional[str] = _key(kind=str, optional=True, rule=lambda spec: budget_bytes(spec, 1 << 40) is not None,

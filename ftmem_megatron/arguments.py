@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ftmem import DP_SHARD_CHOICES, PREEMPTION_GRACE_S, PREEMPTION_SIGNALS, SLOT_CHOICES, ConfigError, FtmemConfig
+from ftmem import DP_SHARD_CHOICES, FAILURE_TIMEOUT_S, PREEMPTION_GRACE_S, PREEMPTION_SIGNALS, SLOT_CHOICES, ConfigError, FtmemConfig
 
 # Megatron-LM's non-persistent checkpoint types; ftmem implements "in_memory".
 NON_PERSISTENT_TYPES = ("global", "local", "in_memory")
@@ -28,6 +28,8 @@ FTMEM_FLAGS = (
     ("--ftmem-network-interface", "ftmem_network_interface", "network.interface"),
     ("--ftmem-preemption-signal", "ftmem_preemption_signal", "preemption.signal"),
     ("--ftmem-preemption-grace-s", "ftmem_preemption_grace_s", "preemption.grace_s"),
+    ("--ftmem-failure-detection", "ftmem_failure_detection", "failure_detection.enabled"),
+    ("--ftmem-failure-detection-timeout-s", "ftmem_failure_detection_timeout_s", "failure_detection.timeout_s"),
 )
 
 
@@ -63,6 +65,13 @@ def add_ftmem_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--ftmem-preemption-grace-s", type=int, default=None,
                        help=f"seconds that flush may take before the process ends anyway (default: "
                             f"{PREEMPTION_GRACE_S}, under torchrun's 30 s)")
+    group.add_argument("--ftmem-failure-detection", choices=("on", "off"), default=None,
+                       help="heartbeats between the ranks: a node that dies or hangs ends every rank, so that the "
+                            "launcher restarts the job at once instead of after the collective's timeout (default: "
+                            "on; off for a rank paused in a debugger)")
+    group.add_argument("--ftmem-failure-detection-timeout-s", type=int, default=None,
+                       help=f"seconds without a heartbeat after which a rank counts as lost (default: "
+                            f"FTMEM_FAILURE_TIMEOUT_S, else {FAILURE_TIMEOUT_S})")
     group.add_argument("--ftmem-allow-disk-fallback", action="store_true",
                        help="when memory holds a version this job cannot use (another parallel layout or model), "
                             "load the persistent checkpoint from --load instead of stopping with the reason")
@@ -129,6 +138,11 @@ def validate_ftmem_args(args) -> FtmemConfig:
         section["preemption"] = {k: v for k, v in zip(("signal", "grace_s"), preemption) if v is not None}
         if preemption[0] == "none":
             section["preemption"]["signal"] = None
+    detection = getattr(args, "ftmem_failure_detection", None), getattr(args, "ftmem_failure_detection_timeout_s", None)
+    if detection != (None, None):
+        section["failure_detection"] = {k: v for k, v in zip(("enabled", "timeout_s"), detection) if v is not None}
+        if detection[0] is not None:
+            section["failure_detection"]["enabled"] = detection[0] == "on"
     section["allow_disk_fallback"] = bool(getattr(args, "ftmem_allow_disk_fallback", False))
     try:
         config = FtmemConfig.from_dict(section)  # the config's schema checks every value

@@ -9,6 +9,11 @@ import pytest
 from harness.common import LogLines, TEST_SHM_PREFIX, free_shm_dir, leftover_smps, new_shm_dir
 from harness.ranks import kill_ranks_left_running, stop_fork_servers
 
+# Every job of the suite runs with a failure detector six times as quick as its default, so
+# that a false alarm (a busy rank counted as lost: a slow step, a long flush, a loaded
+# machine) fails the suite, where the default 60 s would hide it. A test's own timeout wins.
+os.environ.setdefault("FTMEM_FAILURE_TIMEOUT_S", "10")
+
 
 def pytest_addoption(parser):
     parser.addoption("--full-faults", action="store_true",

@@ -68,6 +68,14 @@ def rank_error(rank: int, message: str, *args) -> None:
     log.error("rank %d: " + message, rank, *args)
 
 
+def flush_logs() -> None:
+    """Write out what the log handlers and the standard streams hold: before a process ends
+    without running its exit handlers (``os._exit``, a signal's default action)."""
+    for handler in logging.getLogger().handlers + log.handlers:
+        handler.flush()
+    sys.stdout.flush(), sys.stderr.flush()
+
+
 # -- the contract lines ----------------------------------------------------------------
 def restored_from_memory(iteration: int, rank: int, detail: str = "", rebuilt: bool = False) -> str:
     """``ftmem: restored iteration N from memory (rank R[, detail][, rebuilt from parity])``."""

@@ -1,7 +1,8 @@
 """Fault-injection points for the crash tests, off unless FTMEM_TEST_HOOK is set.
 
 ``FTMEM_TEST_HOOK="<point>:<action>:rank=<r>:version=<v>"`` fires when rank r reaches
-``point`` for version v. Actions: ``kill`` SIGKILLs the process; ``pause`` creates
+``point`` for version v. Actions: ``kill`` SIGKILLs the process; ``stop`` SIGSTOPs it (every
+thread of it stops, as a hung host's processes do); ``pause`` creates
 ``$FTMEM_TEST_HOOK_DIR/paused.rank<r>.v<v>`` and sleeps until the process is killed;
 ``hold`` creates that file too, and goes on once ``$FTMEM_TEST_HOOK_DIR/resume.rank<r>.v<v>``
 exists (the test kills something else meanwhile, an SMP say).
@@ -55,8 +56,8 @@ def at(point: str, rank: int, version: int) -> None:
         _fired = True
     elif int(want["version"]) != version:
         return
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if action in ("kill", "stop"):
+        os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
     elif action in ("pause", "hold"):
         hook_dir = os.environ["FTMEM_TEST_HOOK_DIR"]
         open(os.path.join(hook_dir, f"paused.rank{rank}.v{version}"), "w").close()

@@ -38,6 +38,7 @@ from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
 from ftmem._common.collective import gather, new_group, vote
 from ftmem._common.logs import job_info, rank_info, rank_warning
+from ftmem._engine.failure_detector import FailureDetector
 from ftmem._engine.preemption import PreemptionWatch, arrival_s, say_grace_ended, whole_job_told
 from ftmem._engine.ownership import refuse_another_node_layout, refuse_foreign_versions
 from ftmem._common.parallel import ParallelLayout, destroy_groups, make_dp_groups
@@ -150,6 +151,8 @@ class SnapshotEngine:
         self.lineage: Optional[VersionRef] = None  # recorded in each version (CommitRecord.lineage)
         self._closed = False
         self._preemption = PreemptionWatch.install(self.config.preemption, rank, self._on_preemption)
+        self._detector = FailureDetector.start(self.config.failure_detection.resolve(), self._run, rank, world_size,
+                                               self.identity.ranks_per_node)
 
     @property
     def rank(self) -> int:
@@ -294,6 +297,7 @@ class SnapshotEngine:
             rank_info(self.rank, "%s, not as a preemption of the whole job (%s): nothing is flushed; memory keeps "
                       "%s for the restart", name, why_not, held)
             return
+        self._stop_detecting()  # every rank ends within the grace, one after the other: no failure
         job_info("%s to every rank: the newest version goes to %s before the processes end (%d s of grace)", name,
                  self.flusher.root, self.config.preemption.grace_s)
         final = self._committer.flush_at_preemption(deadline)
@@ -306,6 +310,10 @@ class SnapshotEngine:
             job_info("version %s was not flushed at %s (%s)", final.version, name, final.problem)
         else:
             job_info("at %s, version %s was on disk already", name, final.version)
+
+    def _stop_detecting(self) -> None:
+        if self._detector is not None:
+            self._detector.stop()
 
     def _dead_here(self) -> list[int]:
         """The job's ranks on this host whose processes died (a failure's teardown follows)."""
@@ -398,7 +406,9 @@ class SnapshotEngine:
     def every_rank_finished(self, finished: bool) -> bool:
         """Whether every rank of the job says ``finished`` (collective, bounded by FINISH_TIMEOUT_S;
         False if a rank does not answer). Memory is freed only on a job-wide agreement, never
-        because one rank or node ended, so a rank that died in the teardown keeps the versions."""
+        because one rank or node ended, so a rank that died in the teardown keeps the versions.
+        The ranks end one after the other from here: the failure detector stops."""
+        self._stop_detecting()
         try:
             return vote(finished, self._finish_group)
         except Exception as e:  # a rank died, or the process groups were destroyed first

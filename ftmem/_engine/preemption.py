@@ -23,18 +23,16 @@ for): nothing is flushed, and the process ends once the wait ends.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ftmem._common.logs import rank_info, rank_warning
+from ftmem._common.logs import flush_logs, rank_info, rank_warning
 from ftmem.config import PreemptionConfig
 
 ARRIVED_KEY = "ftmem/preemption/arrived"  # on the job's store: how many ranks were told to stop
@@ -147,9 +145,7 @@ def say_grace_ended(rank: int, grace_s: float) -> None:
 def end_process(signum: int) -> None:
     """End this process by ``signum``'s default action, from any thread (``signal.signal`` is
     the main thread's alone), so that the launcher sees the exit it would see without ftmem."""
-    for handler in logging.getLogger().handlers + logging.getLogger("ftmem").handlers:
-        handler.flush()
-    sys.stdout.flush(), sys.stderr.flush()
+    flush_logs()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
     libc.signal(signum, None)  # SIG_DFL

@@ -9,6 +9,7 @@ from ftmem.adapter import check_startup
 from ftmem.config import MEMORY_FILESYSTEMS, FtmemConfig, filesystem_of
 from ftmem.errors import ConfigError
 from ftmem._common.identity import RankIdentity, resolve_job_id
+from ftmem._engine.failure_detector import watched_rank
 
 
 def test_defaults_fit_the_node_count():
@@ -116,6 +117,31 @@ def test_network_interface_from_the_config_else_the_environment(monkeypatch):
     assert FtmemConfig.from_dict({"network": {"interface": "lo"}}).network.resolve() == "lo"
     monkeypatch.setenv("FTMEM_SOCKET_IFNAME", "")  # empty is unset
     assert FtmemConfig.from_dict(None).network.resolve() is None
+
+
+def test_failure_detection_timeout_from_the_config_else_the_environment(monkeypatch):
+    """On by default at 60 s; FTMEM_FAILURE_TIMEOUT_S sets it where the config leaves it out;
+    ``"enabled": false`` turns it off whatever the environment says."""
+    monkeypatch.delenv("FTMEM_FAILURE_TIMEOUT_S", raising=False)
+    assert FtmemConfig.from_dict(None).failure_detection.resolve() == 60
+    assert FtmemConfig.from_dict({"failure_detection": {"timeout_s": 5}}).failure_detection.resolve() == 5
+    monkeypatch.setenv("FTMEM_FAILURE_TIMEOUT_S", "7")
+    assert FtmemConfig.from_dict(None).failure_detection.resolve() == 7
+    assert FtmemConfig.from_dict({"failure_detection": {"timeout_s": 5}}).failure_detection.resolve() == 5
+    assert FtmemConfig.from_dict({"failure_detection": {"enabled": False}}).failure_detection.resolve() is None
+    monkeypatch.setenv("FTMEM_FAILURE_TIMEOUT_S", "soon")
+    with pytest.raises(ConfigError, match=re.escape("FTMEM_FAILURE_TIMEOUT_S='soon': give how long a rank may go "
+                                                    "without a heartbeat")):
+        FtmemConfig.from_dict(None).failure_detection.resolve()
+
+
+@pytest.mark.parametrize("world, per_node", [(3, 1), (6, 2), (8, 4), (2, 2), (1, 1)])
+def test_every_rank_is_watched_by_one_rank_and_from_another_node_where_there_is_one(world, per_node):
+    watchers = {rank: watched_rank(rank, world, per_node) for rank in range(world)}
+    assert sorted(watchers.values()) == list(range(world))  # each rank watched exactly once
+    for watcher, watched in watchers.items():
+        assert watched != watcher or world == 1
+        assert watched // per_node != watcher // per_node or world <= per_node
 
 
 @pytest.mark.parametrize("given", ["config", "environment"])

@@ -53,11 +53,17 @@ def one_line_refusal(out) -> str:
     ({"preemption": {"signal": "TERM"}}, '"ftmem.preemption.signal" must be one of "SIGTERM", "SIGINT", "SIGUSR1", '
                                          '"SIGUSR2", "SIGHUP" (or leave it out), got "TERM".'),
     ({"preemption": {"grace_s": 0}}, '"ftmem.preemption.grace_s" must be an integer >= 1, got 0.'),
+    ({"failure_detection": {"timeout_s": 0}}, '"ftmem.failure_detection.timeout_s" must be an integer >= 1 (or '
+                                              'leave it out), got 0.'),
+    ({"failure_detection": {"enabled": "no"}}, '"ftmem.failure_detection.enabled" must be true or false, got "no".'),
+    ({"failure_detection": {"timeout": 5}}, "unknown key 'timeout' in the \"ftmem.failure_detection\" config. Did you "
+                                            "mean 'timeout_s'?"),
     ({"shm_budget": "lots"}, '"ftmem.shm_budget" must be a share of the shared-memory filesystem\'s size ("80%") or '
                              'a size ("64GiB", "500MB", a number of bytes), per node (or leave it out), got "lots".'),
     ({"shm_budget": "120%"}, '"ftmem.shm_budget" must be a share of'),
     ([("ec", 1)], '"ftmem" must be an object with the keys ec, ranks_per_node, shm_dir, dp_shard, persist, network, '
-                  'preemption, slots, shm_budget, job_id, allow_disk_fallback, got [["ec", 1]].'),
+                  'preemption, failure_detection, slots, shm_budget, job_id, allow_disk_fallback, got '
+                  '[["ec", 1]].'),
     ("ftmem", '"ftmem" must be an object with the keys'),
 ])
 def test_a_bad_config_value_names_its_key_the_value_and_what_is_allowed(section, message):
@@ -87,6 +93,8 @@ def test_paths_that_cannot_work_are_refused_at_start(tmp_path, monkeypatch):
     (["--ftmem-shm-dir", "/nonexistent/shm"], "--ftmem-shm-dir '/nonexistent/shm' is not a directory"),
     (["--ftmem-network-interface", "a/b"], "--ftmem-network-interface must be a network interface's name"),
     (["--ftmem-preemption-grace-s", "0"], "--ftmem-preemption-grace-s must be an integer >= 1, got 0."),
+    (["--ftmem-failure-detection-timeout-s", "0"], "--ftmem-failure-detection-timeout-s must be an integer >= 1 "
+                                                   "(or leave it out), got 0."),
 ])
 def test_megatron_flags_are_checked_by_the_same_schema_and_named_as_flags(argv, message):
     with pytest.raises(ConfigError) as e:

@@ -66,3 +66,14 @@ def test_misspelt_flag_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         parse(IN_MEMORY + ["--ftmem-ec-kk", "2"])
     assert "unrecognized arguments: --ftmem-ec-kk" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, enabled, timeout_s", [
+    ([], True, None),
+    (["--ftmem-failure-detection-timeout-s", "90"], True, 90),
+    (["--ftmem-failure-detection", "off"], False, None),
+    (["--ftmem-failure-detection", "on", "--ftmem-failure-detection-timeout-s", "30"], True, 30),
+])
+def test_failure_detection_flags_make_its_section(argv, enabled, timeout_s, shm_dir):
+    config = validate_ftmem_args(parse(IN_MEMORY + ["--ftmem-shm-dir", shm_dir] + argv)).failure_detection
+    assert (config.enabled, config.timeout_s) == (enabled, timeout_s)

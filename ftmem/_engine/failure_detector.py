@@ -1,0 +1,176 @@
+"""Failure detection: heartbeats between the job's ranks, so that a node that dies or hangs
+ends the job at once and the launcher restarts it, instead of the survivors sitting in a
+collective of the training until its timeout (NCCL's 10 minutes, gloo's 30). A hung node (a
+stopped process, a GPU off the bus, a network partition) raises nothing by itself.
+
+Each rank beats on the job's store (an ``add`` to a counter of its own) every
+:func:`interval_s`, from a thread of its own: a slow step, a long flush, a main thread paused
+in a debugger go on beating; a process stopped whole (SIGSTOP, gdb) or gone does not. Each
+rank watches one other, the same local rank on the next node (:func:`watched_rank`), so that
+every rank is watched from another host and the store serves a few operations per rank and
+interval, whatever the job's size. A rank whose watched rank's counter has not moved for the
+timeout puts its verdict on the store (``compare_set``: the first verdict holds), every rank
+reads it at its next beat, logs one line naming the node and ends its process with
+:data:`EXIT_CODE`. A store silent for the timeout (the host that serves it is lost) ends the
+rank as well.
+
+The beats go over a connection of the detector's own: a store client blocks every other use
+of itself while one call waits (the framework's ``get`` of a key a slow rank has not set yet),
+and that wait is no failure. A second thread judges, since a call to a stopped store blocks.
+
+A rank that closes its engine, or whose interpreter exits, says it left (its counter jumps by
+:data:`_LEFT`): its silence after that is no failure. Keys carry the engine's run id, the
+same on every rank and new at each start, so a store that outlives an attempt (torchrun's
+agent's) holds no verdict of an earlier one.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from ftmem._common.logs import flush_logs, log, rank_error
+
+# EX_TEMPFAIL: the job failed, and restarting it is the remedy (any code but 0 makes the
+# launcher restart the job; this one tells a failure ftmem detected from a crash).
+EXIT_CODE = 75
+_LEFT = 1 << 40  # added to a rank's counter when it leaves: a count past it is no beat
+
+
+def interval_s(timeout_s: float) -> float:
+    """Seconds between two beats: a few beats per timeout, at most 5 s (a store's load)."""
+    return min(5.0, max(0.2, timeout_s / 5))
+
+
+def watched_rank(rank: int, world_size: int, ranks_per_node: int) -> int:
+    """The rank ``rank`` watches: its local rank's twin on the next node, else (one node) the next rank."""
+    if world_size <= ranks_per_node:
+        return (rank + 1) % world_size
+    return (rank + ranks_per_node) % world_size
+
+
+def _own_client(store: dist.Store, timeout_s: float) -> dist.Store:
+    """A connection of the detector's own to the TCP store under ``store`` (torchrun's, or
+    the one MASTER_ADDR names); ``store`` itself where it is no TCP store (a file's)."""
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if not isinstance(inner, dist.TCPStore):
+        return store
+    return dist.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+class FailureDetector:
+    """This rank's heartbeat and its watch over another rank (see the module's doc)."""
+
+    def __init__(self, store: dist.Store, run: str, rank: int, world_size: int, ranks_per_node: int,
+                 timeout_s: float):
+        self.rank, self.timeout_s, self.interval_s = rank, timeout_s, interval_s(timeout_s)
+        self._ranks_per_node = ranks_per_node
+        self._store, self._key = store, f"ftmem/failure_detection/{run}/"
+        self.watched = watched_rank(rank, world_size, ranks_per_node)
+        self._pid = os.getpid()
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        now = time.monotonic()
+        # What the beats saw, read by the judge: guarded by _lock.
+        self._answered = now  # the store's last answer
+        self._moved = now  # when the watched rank's counter last moved (or the watch began)
+        self._count: Optional[int] = None
+        self._verdict: Optional[str] = None
+        self._watched_host: Optional[str] = None
+        store.set(self._key + f"host/{rank}", socket.gethostname())
+        atexit.register(self.stop)
+        for target, name in ((self._beat, "ftmem-heartbeat"), (self._judge, "ftmem-failure-judge")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    @classmethod
+    def start(cls, timeout_s: Optional[float], run: str, rank: int, world_size: int,
+              ranks_per_node: int) -> Optional["FailureDetector"]:
+        """The detector of a rank of a job of ``world_size`` ranks (torch.distributed
+        initialized); None where detection is off (``timeout_s`` None) or the job has one rank."""
+        if timeout_s is None or world_size == 1:
+            return None
+        store = _own_client(dist.distributed_c10d._get_default_store(), timeout_s)
+        return cls(store, run, rank, world_size, ranks_per_node, timeout_s)
+
+    def stop(self) -> None:
+        """This rank leaves: no more beats, and its silence is no failure (at its engine's
+        close, at the interpreter's exit, at a preemption). A second call does nothing."""
+        if self._stopped.is_set() or os.getpid() != self._pid:  # (a forked child exits with the parent's hooks)
+            return
+        self._stopped.set()
+        atexit.unregister(self.stop)
+        try:
+            self._store.add(self._counter(self.rank), _LEFT)
+        except Exception as e:  # the store is gone: the others' detectors end them anyway
+            log.debug("rank %d: could not say it left (%s)", self.rank, e)
+
+    def _counter(self, rank: int) -> str:
+        return self._key + f"alive/{rank}"
+
+    def _beat(self) -> None:
+        own, watched, verdict = self._counter(self.rank), self._counter(self.watched), self._key + "verdict"
+        while not self._stopped.is_set():
+            try:
+                self._store.add(own, 1)
+                count = self._store.add(watched, 0)
+                said = self._store.get(verdict).decode() if self._store.check([verdict]) else None
+                if self._watched_host is None and count > 0:  # it set its host before its first beat
+                    self._watched_host = self._store.get(self._key + f"host/{self.watched}").decode()
+            except Exception as e:  # the store's host is gone: the connection is, for good; the judge counts the silence
+                log.debug("rank %d: heartbeat failed, and stops (%s)", self.rank, e)
+                return
+            now = time.monotonic()
+            with self._lock:
+                self._answered, self._verdict = now, said
+                if count != self._count:
+                    self._count, self._moved = count, now
+            self._stopped.wait(self.interval_s)
+
+    def _judge(self) -> None:
+        while not self._stopped.wait(self.interval_s / 2):
+            now = time.monotonic()
+            with self._lock:
+                answered, moved, count, said = self._answered, self._moved, self._count, self._verdict
+            if said is not None:
+                self._end(said)
+            if now - answered > self.timeout_s:
+                self._end(f"the job's store ({os.environ.get('MASTER_ADDR', 'MASTER_ADDR')}:"
+                          f"{os.environ.get('MASTER_PORT', 'MASTER_PORT')}) has not answered for "
+                          f"{now - answered:.0f} s: the host that serves it is lost or hung")
+            if (count is None or count < _LEFT) and now - moved > self.timeout_s:
+                node = self.watched // self._ranks_per_node
+                verdict = self._publish(f"node {node} (host {self._watched_host or '?'}, rank {self.watched}) has not "
+                                        f"answered for {now - moved:.0f} s (seen by rank {self.rank})")
+                time.sleep(1.5 * self.interval_s)  # every rank reads it before this one's end (of the store, on rank 0)
+                self._end(verdict)
+
+    def _publish(self, verdict: str) -> str:
+        """Put ``verdict`` on the store for every rank; the verdict that holds there (an earlier
+        one, another rank's, wins). Bounded: a store that does not take it leaves it this rank's."""
+        held = [verdict]
+
+        def put() -> None:
+            held[0] = self._store.compare_set(self._key + "verdict", "", verdict).decode()
+
+        putter = threading.Thread(target=put, name="ftmem-failure-verdict", daemon=True)
+        putter.start()
+        putter.join(self.interval_s)
+        return held[0]
+
+    def _end(self, verdict: str) -> None:
+        if self._stopped.is_set():  # the rank left meanwhile (its engine closed)
+            return
+        rank_error(self.rank, "%s: ending this process (exit code %d) so that the launcher restarts the job at once "
+                   "(\"ftmem.failure_detection\" sets the timeout of %.0f s, or turns this off)", verdict, EXIT_CODE,
+                   self.timeout_s)
+        flush_logs()
+        os._exit(EXIT_CODE)
