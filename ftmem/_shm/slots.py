@@ -40,14 +40,14 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
-
 from ftmem.config import DATA_SLOTS
 from ftmem._state.checksum import checked, with_checksum
 from ftmem.errors import CorruptShard
-from ftmem._state.plan import SnapshotPlan
-from ftmem._common.parallel import ParallelLayout
 from ftmem._shm.private import open_private, read_private, unlink_if_present, write_atomically
+
+if typing.TYPE_CHECKING:
+    from ftmem._state.plan import SnapshotPlan
+    from ftmem._common.parallel import ParallelLayout
 
 DATA, PARITY = "slot", "parity"
 PARITY_SLOTS = 2  # the protected version's and the one being protected
@@ -255,6 +255,20 @@ class RankStore:
 
 
 # -- records as JSON ------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _record_types() -> dict[str, Any]:
+    """The types a record holds beyond JSON's (torch's among them), imported when a record is
+    first encoded or decoded. The SMP imports this module for the slots' files alone and never
+    gets here: it starts without torch, whose import a restart onto a new node would otherwise
+    wait for (2 s and more on a loaded host)."""
+    import torch
+
+    from ftmem._common.parallel import ParallelLayout
+    from ftmem._state.plan import SnapshotPlan
+
+    return {"torch": torch, "SnapshotPlan": SnapshotPlan, "ParallelLayout": ParallelLayout}
+
+
 # The last plan written and its JSON: a rank's saves reuse one plan while the state keeps its
 # shapes (ftmem._state.plan.Planner), and encoding every entry anew would cost the copy thread,
 # GIL held, time at every commit.
@@ -263,7 +277,8 @@ _last_plan_json: tuple[Optional[SnapshotPlan], Any] = (None, None)
 
 def _to_json(value: Any) -> Any:
     global _last_plan_json
-    if isinstance(value, SnapshotPlan):
+    types = _record_types()
+    if isinstance(value, types["SnapshotPlan"]):
         last = _last_plan_json
         if last[0] is not value:
             last = _last_plan_json = (value, _fields_json(value))
@@ -275,7 +290,7 @@ def _to_json(value: Any) -> Any:
     if isinstance(value, bytes):
         # Latin-1 maps each byte to one code point: text stays text in the marker.
         return value.decode("latin-1")
-    if isinstance(value, torch.dtype):
+    if isinstance(value, types["torch"].dtype):
         return str(value).removeprefix("torch.")
     return value
 
@@ -295,7 +310,8 @@ def _decoder(kind: Any) -> Callable[[Any], Any]:
         inner = _decoder(next(a for a in args if a is not type(None)))
         return lambda value: None if value is None else inner(value)
     if dataclasses.is_dataclass(kind):
-        fields = {name: _decoder(hint) for name, hint in typing.get_type_hints(kind).items()}
+        hints = typing.get_type_hints(kind, localns=_record_types())
+        fields = {name: _decoder(hint) for name, hint in hints.items()}
 
         def instance(value: Any) -> Any:
             if not isinstance(value, dict) or not value.keys() <= fields.keys():
@@ -317,6 +333,7 @@ def _decoder(kind: Any) -> Callable[[Any], Any]:
         return items_of
     if kind is bytes:
         return lambda value: value.encode("latin-1") if isinstance(value, str) else _not_a(kind, value)
+    torch = _record_types()["torch"]
     if kind is torch.dtype:
         return lambda value: (getattr(torch, value) if isinstance(value, str) and
                               isinstance(getattr(torch, value, None), torch.dtype) else _not_a(kind, value))

@@ -325,3 +325,17 @@ def test_ranks_of_a_node_that_finish_at_once_all_get_their_answer(shm_dir, tmp_p
         client.close()
     assert failures == []
     assert not os.path.exists(node_dir)  # the node's memory freed once both finished
+
+
+def test_the_smp_serves_a_job_without_importing_torch(shm_dir):
+    """The SMP imports the slots' files and its protocol, not the engine: a restart onto a new
+    node waits for its start, which torch's import made 2 s and more on a loaded host."""
+    engine = make_engine(shm_dir)
+    state = {"w": torch.arange(1000.0)}
+    engine.save(state, 1).wait_protected()
+    engine.save(state, 2).wait_protected()  # a slot allocated, the versions held listed
+    smp = running_smp(engine.identity.node_dir)
+    with open(f"/proc/{smp}/maps") as f:
+        libraries = {line.split()[-1] for line in f if ".so" in line}
+    assert not [lib for lib in libraries if "torch" in os.path.basename(lib)], sorted(libraries)
+    engine.close(job_finished=True)
