@@ -180,6 +180,9 @@ BENCHES = {
     "scale": "DeepSpeed ZeRO-1 on 3 network-namespace hosts (root), ftmem on a tc-limited network slower than the "
              "step, a save every iteration: step time against no saves and against saves that wait for their "
              "protection, protection lag; then a host lost and the resume checked bitwise",
+    "recovery": "a host lost (killed, or hung with SIGSTOP) in a DeepSpeed ZeRO-1 and a megatron-core job under torchrun "
+                "on 3 network-namespace hosts (root): the timeline from the failure to the first step after the "
+                "restart on the hosts left, against the default engine's restart from its files",
     "soak": "a save every iteration for --iters iterations on 3 ranks and nodes: growth of RSS, threads, fds, "
             "sockets and shared memory; the job's memory freed at the end",
 }

@@ -150,8 +150,9 @@ class FailureDetector:
                 node = self.watched // self._ranks_per_node
                 verdict = self._publish(f"node {node} (host {self._watched_host or '?'}, rank {self.watched}) has not "
                                         f"answered for {now - moved:.0f} s (seen by rank {self.rank})")
-                time.sleep(1.5 * self.interval_s)  # every rank reads it before this one's end (of the store, on rank 0)
-                self._end(verdict)
+                # Every rank reads it at its next beat: before this rank's end, which may end the store
+                # (rank 0 serves it, where the launcher does not).
+                self._end(verdict, linger_s=1.5 * self.interval_s)
 
     def _publish(self, verdict: str) -> str:
         """Put ``verdict`` on the store for every rank; the verdict that holds there (an earlier
@@ -166,11 +167,12 @@ class FailureDetector:
         putter.join(self.interval_s)
         return held[0]
 
-    def _end(self, verdict: str) -> None:
+    def _end(self, verdict: str, linger_s: float = 0.0) -> None:
         if self._stopped.is_set():  # the rank left meanwhile (its engine closed)
             return
         rank_error(self.rank, "%s: ending this process (exit code %d) so that the launcher restarts the job at once "
                    "(\"ftmem.failure_detection\" sets the timeout of %.0f s, or turns this off)", verdict, EXIT_CODE,
                    self.timeout_s)
         flush_logs()
+        time.sleep(linger_s)
         os._exit(EXIT_CODE)
