@@ -68,14 +68,16 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, 
 DETECT_S = 4  # the failure detector's timeout in the test below
 
 
-@pytest.mark.parametrize("failure", ["hung", "killed"])
+@pytest.mark.parametrize("failure, lost", [("hung", 1), ("hung", 0), ("killed", 1)],
+                         ids=["hung", "hung, the store's host", "killed"])
 def test_a_hung_or_killed_node_ends_the_survivors_at_the_detector_s_timeout_and_the_relaunch_resumes_bitwise(
-        failure, shm_dir, tmp_path):
+        failure, lost, shm_dir, tmp_path):
     """A node's processes stopped (SIGSTOP: a hung host, which raises nothing) or killed while the
-    job trains: the survivors end with the detector's line naming the node, not after the
-    training collective's 30 minutes; the node is lost, and the relaunch resumes from memory,
-    the node rebuilt from parity, bitwise with DeepSpeed's default engine."""
-    world, lost = 3, 1
+    job trains: the survivors end with the detector's line naming the node (or, where the node
+    served the job's store, the store), not after the training collective's 30 minutes; the node
+    is lost, and the relaunch resumes from memory, the node rebuilt from parity, bitwise with
+    DeepSpeed's default engine."""
+    world = 3
     ref = reference("zero1.json", world, str(tmp_path / "reference"))
     action = "stop" if failure == "hung" else "kill"
     job = DSJob("zero1.json", world, shm_dir, str(tmp_path / "run"), ftmem={"failure_detection": {"timeout_s": DETECT_S}})
@@ -86,12 +88,17 @@ def test_a_hung_or_killed_node_ends_the_survivors_at_the_detector_s_timeout_and_
         os.kill(running_smp(node_dir), signal.SIGSTOP if failure == "hung" else signal.SIGKILL)
         # Bounded by the detector's timeout, plus its beats and a loaded machine's slack; without
         # it, the survivors would sit in DeepSpeed's all-reduce for gloo's 30 minutes.
-        codes = [run.procs[r].wait(timeout=DETECT_S + 30) for r in range(world) if r != lost]
+        survivors = [r for r in range(world) if r != lost]
+        codes = [run.procs[r].wait(timeout=DETECT_S + 30) for r in survivors]
         if failure == "hung":
             assert codes == [EXIT_CODE] * 2, run.tails()
-            for rank in (0, 2):
-                assert logged(f"rank {rank}: node {lost} (host {socket.gethostname()}, rank {lost}) has not answered "
-                              f"for {DETECT_S} s (seen by rank 0): ending this process (exit code {EXIT_CODE})" + ANY,
+            # Rank 0 serves the job's store (MASTER_ADDR): stopped, it answers nobody.
+            why = (f"the job's store (127.0.0.1:{ANY}) has not answered for {ANY} s: the host that serves it is lost "
+                   f"or hung" if lost == 0 else
+                   f"node {lost} (host {socket.gethostname()}, rank {lost}) has not answered for {DETECT_S} s (seen "
+                   f"by rank {lost - 1})")
+            for rank in survivors:
+                assert logged(f"rank {rank}: {why}: ending this process (exit code {EXIT_CODE})" + ANY,
                               job.log(rank)), job.log(rank)[-3000:]
         else:  # the survivors' own all-reduce may fail first, on the connection the kill reset
             assert all(code != 0 for code in codes), run.tails()
