@@ -278,7 +278,7 @@ def recover(cluster: Cluster, framework: str, ftmem: bool, how: str, work: str, 
                     "rendezvous": max(rendezvous) - failed}
         for name in MARKS:
             timeline[name] = max(run.restarted(n, failed)[name][0] for n in survivors) - failed
-        timeline["restore"] = restore_line(run.text(0)) if ftmem else None
+        timeline["restored_line"] = restored_line(run.text(0)) if ftmem else None
         timeline["resumed_at"] = resumed_at(run.text(0), framework)
         return timeline
     finally:
@@ -293,9 +293,9 @@ def recover(cluster: Cluster, framework: str, ftmem: bool, how: str, work: str, 
             cluster.lose(n)
 
 
-def restore_line(text: str) -> Optional[str]:
-    """ftmem's own account of the restore (agreement, rebuild, copy), as the engine logs it."""
-    found = re.findall(r"^ftmem: (rank 0: restore of version .*)$", text, re.MULTILINE)
+def restored_line(text: str) -> Optional[str]:
+    """What ftmem's restore said on rank 0: the version, the world it came from, what was rebuilt."""
+    found = re.findall(r"^ftmem: (restored iteration .*)$", text, re.MULTILINE)
     return found[-1] if found else None
 
 
@@ -385,12 +385,15 @@ def report(results: dict, frameworks) -> dict:
             parts = segments(results[name])
             total = results[name]["step"]
             ftmem_owned = parts["restore"] + (parts["detect"] if "ftmem_hung" in name else 0.0)
+            rendezvous = results[name]["rendezvous"] - results[name]["ended"]
             print(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()) + f"; total {total:.2f}"
                   + (f"; ftmem's share {ftmem_owned:.2f} ({ftmem_owned / total:.0%})" if "ftmem" in name else "")
-                  + f"; resumed at {results[name]['resumed_at']}")
-            if results[name].get("restore"):
-                print(f"    {results[name]['restore']}")
+                  + f"; resumed at {results[name]['resumed_at']}; the agents' rendezvous took {rendezvous:.2f} "
+                  f"of the launcher's part")
+            if results[name].get("restored_line"):
+                print(f"    {results[name]['restored_line']}")
             figures.update({f"{name}_{k}_s": v for k, v in parts.items()})
+            figures[f"{name}_rendezvous_s"] = rendezvous
             figures[f"{name}_total_s"] = total
             if "ftmem" in name:
                 figures[f"{name}_ftmem_share_x"] = ftmem_owned / total

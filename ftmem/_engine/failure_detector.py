@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -55,26 +55,28 @@ def watched_rank(rank: int, world_size: int, ranks_per_node: int) -> int:
     return (rank + ranks_per_node) % world_size
 
 
-def _own_client(store: dist.Store, timeout_s: float) -> dist.Store:
-    """A connection of the detector's own to the TCP store under ``store`` (torchrun's, or
-    the one MASTER_ADDR names); ``store`` itself where it is no TCP store (a file's)."""
+def _connector(store: dist.Store, timeout_s: float) -> tuple[Callable[[], dist.Store], str]:
+    """What makes a connection of the detector's own to the TCP store under ``store``
+    (torchrun's, or the one MASTER_ADDR names), and that store's name; where it is no TCP
+    store (a file's), ``store`` itself serves."""
     inner = store
     while isinstance(inner, dist.PrefixStore):
         inner = inner.underlying_store
     if not isinstance(inner, dist.TCPStore):
-        return store
-    return dist.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+        return (lambda: store), f"the job's store ({type(inner).__name__})"
+    return (lambda: dist.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=timeout_s))), f"the job's store ({inner.host}:{inner.port})"
 
 
 class FailureDetector:
     """This rank's heartbeat and its watch over another rank (see the module's doc)."""
 
-    def __init__(self, store: dist.Store, run: str, rank: int, world_size: int, ranks_per_node: int,
-                 timeout_s: float):
+    def __init__(self, connect: Callable[[], dist.Store], store_name: str, run: str, rank: int, world_size: int,
+                 ranks_per_node: int, timeout_s: float):
         self.rank, self.timeout_s, self.interval_s = rank, timeout_s, interval_s(timeout_s)
         self._ranks_per_node = ranks_per_node
-        self._store, self._key = store, f"ftmem/failure_detection/{run}/"
+        self._connect, self._store_name = connect, store_name
+        self._store, self._key = connect(), f"ftmem/failure_detection/{run}/"
         self.watched = watched_rank(rank, world_size, ranks_per_node)
         self._pid = os.getpid()
         self._stopped = threading.Event()
@@ -86,7 +88,7 @@ class FailureDetector:
         self._count: Optional[int] = None
         self._verdict: Optional[str] = None
         self._watched_host: Optional[str] = None
-        store.set(self._key + f"host/{rank}", socket.gethostname())
+        self._store.set(self._key + f"host/{rank}", socket.gethostname())
         atexit.register(self.stop)
         for target, name in ((self._beat, "ftmem-heartbeat"), (self._judge, "ftmem-failure-judge")):
             threading.Thread(target=target, name=name, daemon=True).start()
@@ -98,8 +100,8 @@ class FailureDetector:
         initialized); None where detection is off (``timeout_s`` None) or the job has one rank."""
         if timeout_s is None or world_size == 1:
             return None
-        store = _own_client(dist.distributed_c10d._get_default_store(), timeout_s)
-        return cls(store, run, rank, world_size, ranks_per_node, timeout_s)
+        connect, store_name = _connector(dist.distributed_c10d._get_default_store(), timeout_s)
+        return cls(connect, store_name, run, rank, world_size, ranks_per_node, timeout_s)
 
     def stop(self) -> None:
         """This rank leaves: no more beats, and its silence is no failure (at its engine's
@@ -125,15 +127,39 @@ class FailureDetector:
                 said = self._store.get(verdict).decode() if self._store.check([verdict]) else None
                 if self._watched_host is None and count > 0:  # it set its host before its first beat
                     self._watched_host = self._store.get(self._key + f"host/{self.watched}").decode()
-            except Exception as e:  # the store's host is gone: the connection is, for good; the judge counts the silence
-                log.debug("rank %d: heartbeat failed, and stops (%s)", self.rank, e)
-                return
-            now = time.monotonic()
-            with self._lock:
-                self._answered, self._verdict = now, said
-                if count != self._count:
-                    self._count, self._moved = count, now
+            except Exception as e:  # a call that timed out, or a connection closed: the judge counts the silence
+                log.debug("rank %d: a heartbeat failed (%s); the next one takes a new connection", self.rank, e)
+                self._reconnect()
+            else:
+                now = time.monotonic()
+                with self._lock:
+                    self._answered, self._verdict = now, said
+                    if count != self._count:
+                        self._count, self._moved = count, now
             self._stopped.wait(self.interval_s)
+
+    def _reconnect(self) -> bool:
+        """A new connection for the beats; False (the old one kept) where the store takes none."""
+        try:
+            self._store = self._connect()
+            return True
+        except Exception as e:
+            log.debug("rank %d: no new connection to %s (%s)", self.rank, self._store_name, e)
+            return False
+
+    def _store_answers(self) -> bool:
+        """Whether the store takes a new connection within a beat (the beats then take it): the
+        beats' own connection may be the one that is stuck (a call lost on the way), not the store."""
+        took: list[bool] = []
+        probe = threading.Thread(target=lambda: took.append(self._reconnect()), name="ftmem-failure-probe",
+                                 daemon=True)
+        probe.start()
+        probe.join(self.interval_s)
+        if not took or not took[0]:
+            return False
+        with self._lock:
+            self._answered = time.monotonic()
+        return True
 
     def _judge(self) -> None:
         while not self._stopped.wait(self.interval_s / 2):
@@ -143,10 +169,14 @@ class FailureDetector:
             if said is not None:
                 self._end(said)
             if now - answered > self.timeout_s:
-                self._end(f"the job's store ({os.environ.get('MASTER_ADDR', 'MASTER_ADDR')}:"
-                          f"{os.environ.get('MASTER_PORT', 'MASTER_PORT')}) has not answered for "
-                          f"{now - answered:.0f} s: the host that serves it is lost or hung")
-            if (count is None or count < _LEFT) and now - moved > self.timeout_s:
+                if not self._store_answers():
+                    self._end(f"{self._store_name} has not answered for {now - answered:.0f} s: the host that "
+                              f"serves it is lost or hung")
+                continue  # the beats go on over the new connection
+            # Only a beat of this rank's own that is fresh (this thread's view of the watched rank
+            # is as old as it) may blame the watched rank.
+            fresh = now - answered <= 2 * self.interval_s
+            if fresh and (count is None or count < _LEFT) and now - moved > self.timeout_s:
                 node = self.watched // self._ranks_per_node
                 verdict = self._publish(f"node {node} (host {self._watched_host or '?'}, rank {self.watched}) has not "
                                         f"answered for {now - moved:.0f} s (seen by rank {self.rank})")
