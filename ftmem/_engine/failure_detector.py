@@ -11,8 +11,10 @@ every rank is watched from another host and the store serves a few operations pe
 interval, whatever the job's size. A rank whose watched rank's counter has not moved for the
 timeout puts its verdict on the store (``compare_set``: the first verdict holds), every rank
 reads it at its next beat, logs one line naming the node and ends its process with
-:data:`EXIT_CODE`. A store silent for the timeout (the host that serves it is lost) ends the
-rank as well.
+:data:`EXIT_CODE`. A store silent for the timeout that takes no new connection either (the host
+that serves it is lost) ends the rank as well. A failed beat is no verdict: the next one takes a
+new connection; and a rank blames the rank it watches for the silence its own beats saw, so
+that a rank whose own beats were held up blames nobody.
 
 The beats go over a connection of the detector's own: a store client blocks every other use
 of itself while one call waits (the framework's ``get`` of a key a slow rank has not set yet),
@@ -173,13 +175,12 @@ class FailureDetector:
                     self._end(f"{self._store_name} has not answered for {now - answered:.0f} s: the host that "
                               f"serves it is lost or hung")
                 continue  # the beats go on over the new connection
-            # Only a beat of this rank's own that is fresh (this thread's view of the watched rank
-            # is as old as it) may blame the watched rank.
-            fresh = now - answered <= 2 * self.interval_s
-            if fresh and (count is None or count < _LEFT) and now - moved > self.timeout_s:
+            # The silence this rank's own beats saw: a rank whose beats were held up blames nobody.
+            silent = answered - moved
+            if (count is None or count < _LEFT) and silent > self.timeout_s:
                 node = self.watched // self._ranks_per_node
                 verdict = self._publish(f"node {node} (host {self._watched_host or '?'}, rank {self.watched}) has not "
-                                        f"answered for {now - moved:.0f} s (seen by rank {self.rank})")
+                                        f"answered for {silent:.0f} s (seen by rank {self.rank})")
                 # Every rank reads it at its next beat: before this rank's end, which may end the store
                 # (rank 0 serves it, where the launcher does not).
                 self._end(verdict, linger_s=1.5 * self.interval_s)
