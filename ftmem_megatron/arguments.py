@@ -32,6 +32,9 @@ FTMEM_FLAGS = (
     ("--ftmem-failure-detection-timeout-s", "ftmem_failure_detection_timeout_s", "failure_detection.timeout_s"),
 )
 
+# The words a flag takes where the config takes null or a boolean.
+FLAG_WORDS = {"preemption.signal": {"none": None}, "failure_detection.enabled": {"on": True, "off": False}}
+
 
 def add_ftmem_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("ftmem", "in-memory, erasure-coded checkpoints "
@@ -129,20 +132,12 @@ def validate_ftmem_args(args) -> FtmemConfig:
                           f"m={args.ftmem_ec_m}); pass both, or neither for defaults that fit the node count.")
     section = {"ec": {"k": args.ftmem_ec_k, "m": args.ftmem_ec_m} if args.ftmem_ec_k is not None else {}}
     for _, dest, key in FTMEM_FLAGS:
-        if "." not in key and getattr(args, dest) is not None:
-            section[key] = getattr(args, dest)
-    if args.ftmem_network_interface is not None:
-        section["network"] = {"interface": args.ftmem_network_interface}
-    preemption = getattr(args, "ftmem_preemption_signal", None), getattr(args, "ftmem_preemption_grace_s", None)
-    if preemption != (None, None):
-        section["preemption"] = {k: v for k, v in zip(("signal", "grace_s"), preemption) if v is not None}
-        if preemption[0] == "none":
-            section["preemption"]["signal"] = None
-    detection = getattr(args, "ftmem_failure_detection", None), getattr(args, "ftmem_failure_detection_timeout_s", None)
-    if detection != (None, None):
-        section["failure_detection"] = {k: v for k, v in zip(("enabled", "timeout_s"), detection) if v is not None}
-        if detection[0] is not None:
-            section["failure_detection"]["enabled"] = detection[0] == "on"
+        value = getattr(args, dest, None)
+        if value is None or key.startswith("ec."):  # (k and m go together, above)
+            continue
+        section_name, _, name = key.rpartition(".")
+        (section.setdefault(section_name, {}) if section_name else section)[name] = \
+            FLAG_WORDS.get(key, {}).get(value, value)
     section["allow_disk_fallback"] = bool(getattr(args, "ftmem_allow_disk_fallback", False))
     try:
         config = FtmemConfig.from_dict(section)  # the config's schema checks every value
