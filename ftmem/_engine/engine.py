@@ -292,7 +292,7 @@ class SnapshotEngine:
             why_not = whole_job_told(self.rank, self.identity.world_size, self._dead_here,
                                      arrival_s(self.config.preemption.grace_s))
         except Exception as e:  # the job's store went first (the rank that served it died)
-            why_not = f"the job's store does not answer ({e})"
+            why_not = f"the job's store does not answer ({str(e).splitlines()[0]})"  # (not torch's C++ frames)
         if why_not is not None:
             rank_info(self.rank, "%s, not as a preemption of the whole job (%s): nothing is flushed; memory keeps "
                       "%s for the restart", name, why_not, held)

@@ -37,6 +37,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ftmem._common.job_store import tcp_store_under
 from ftmem._common.logs import flush_logs, log, rank_error
 
 # EX_TEMPFAIL: the job failed, and restarting it is the remedy (any code but 0 makes the
@@ -61,11 +62,9 @@ def _connector(store: dist.Store, timeout_s: float) -> tuple[Callable[[], dist.S
     """What makes a connection of the detector's own to the TCP store under ``store``
     (torchrun's, or the one MASTER_ADDR names), and that store's name; where it is no TCP
     store (a file's), ``store`` itself serves."""
-    inner = store
-    while isinstance(inner, dist.PrefixStore):
-        inner = inner.underlying_store
-    if not isinstance(inner, dist.TCPStore):
-        return (lambda: store), f"the job's store ({type(inner).__name__})"
+    inner = tcp_store_under(store)
+    if inner is None:
+        return (lambda: store), "the job's store (no TCP store)"
     return (lambda: dist.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
                                   timeout=timedelta(seconds=timeout_s))), f"the job's store ({inner.host}:{inner.port})"
 

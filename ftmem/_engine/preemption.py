@@ -16,7 +16,9 @@ failed, and every node's agent then stops its ranks to restart the job: memory s
 the newest version, and a flush would only delay the restart. A rank tells the two apart by
 whether *every* rank of the job got the signal: each counts itself on the job's store, and a
 rank that finds a rank of its host dead (the failure a teardown follows) decides it is none,
-which ends the wait for every rank: the first decision on the store holds for all. Every rank counted within :func:`arrival_s`: a preemption.
+which ends the wait for every rank: the first decision on the store holds for all. The rank
+whose process serves the store (rank 0 under the deepspeed launcher) lets the others read it
+before it goes on to end. Every rank counted within :func:`arrival_s`: a preemption.
 Otherwise a teardown, or a part of the job stopping (its nodes' loss is what erasure coding is
 for): nothing is flushed, and the process ends once the wait ends.
 """
@@ -32,13 +34,16 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ftmem._common.job_store import served_here
 from ftmem._common.logs import flush_logs, rank_info, rank_warning
 from ftmem.config import PreemptionConfig
 
 ARRIVED_KEY = "ftmem/preemption/arrived"  # on the job's store: how many ranks were told to stop
 DECIDED_KEY = "ftmem/preemption/decided"  # on the job's store: "go" (flush), or why this is no preemption
+READ_KEY = "ftmem/preemption/read"  # on the job's store: how many ranks have read the decision
 _GO = b"go"
 POLL_S = 0.05
+READ_WAIT_S = 2.0  # for the others to read the decision, where this process serves the store: they poll every POLL_S
 
 
 def arrival_s(grace_s: float) -> float:
@@ -178,4 +183,21 @@ def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]
         time.sleep(POLL_S)
         count = store.add(ARRIVED_KEY, 0)
     decided = store.compare_set(DECIDED_KEY, b"", _GO if why is None else why.encode()).decode()
+    store.add(READ_KEY, 1)
+    if served_here(store):
+        _until_read(store, rank, world_size - len(dead_here()))
     return None if decided == _GO.decode() else decided
+
+
+def _until_read(store, rank: int, ranks: int) -> None:
+    """Until ``ranks`` ranks have read the decision, or READ_WAIT_S passed: this process
+    serves the job's store, which ends with it, and a rank that has not read the decision
+    by then hears only that the store is gone, not why this is no preemption."""
+    end = time.monotonic() + READ_WAIT_S
+    while (read := store.add(READ_KEY, 0)) < ranks:
+        if time.monotonic() > end:
+            rank_info(rank, "%d of the job's %d live ranks had not read the decision after %.0f s (not told to stop, "
+                      "or dead on another host): the job's store, served by this process, ends with it all the "
+                      "same", ranks - read, ranks, READ_WAIT_S)
+            return
+        time.sleep(POLL_S)

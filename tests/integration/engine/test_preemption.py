@@ -1,6 +1,7 @@
 """The preemption signal on one rank without a persistent tier, and with a handler of the
-script's own (the flushes with a tier run through the frameworks: tests/integration/deepspeed
-and megatron)."""
+script's own, and the job's decision whether a SIGTERM is a preemption where rank 0 serves the
+store (the flushes with a tier run through the frameworks: tests/integration/deepspeed and
+megatron)."""
 import os
 import signal
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import textwrap
 
 from harness.common import job_id
-from harness.ranks import REPO, wait_until
+from harness.ranks import RANK_ENV, REPO, free_port, wait_until
 
 SCRIPT = textwrap.dedent("""
     import signal, sys, time
@@ -55,3 +56,37 @@ def test_a_handler_the_script_set_first_keeps_the_signal(shm_dir, tmp_path):
     said = open(log).read()
     assert "SIGTERM has a handler of its own" in said and "the script's handler ran" in said, said
     assert "no persistent tier (\"ftmem.persist\") to flush to" not in said
+
+
+TEARDOWN = textwrap.dedent("""
+    import os, sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from ftmem._engine.preemption import whole_job_told
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=60))
+    if rank == 1:  # the failure a teardown follows
+        os._exit(0)
+    def dead_here():
+        if rank == 2:  # a rank that reads /dev/shm slower than rank 0 on a crowded node
+            time.sleep(1.0)
+        return [1]
+    print("decided:", whole_job_told(rank, 3, dead_here, 10.0), flush=True)
+    os._exit(0)  # as the engine ends the process: rank 0's ends the store with it
+""")
+
+
+def test_the_rank_that_serves_the_store_ends_only_once_the_others_read_why_this_is_no_preemption(tmp_path):
+    """Rank 0 serves the job's store (the deepspeed launcher's env://). Rank 1 died, so the
+    SIGTERM that follows is a teardown: rank 0 decides so at once; rank 2 gets there a second
+    later, and must read the same reason, not find the store gone with rank 0."""
+    env = dict(os.environ, **RANK_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [subprocess.Popen([sys.executable, "-c", TEARDOWN, str(rank)], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(3)]
+    try:
+        said = [proc.communicate(timeout=120)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    why = "decided: rank(s) [1] of this host had died first, as in a teardown after a failure"
+    assert why in said[0] and why in said[2], said
