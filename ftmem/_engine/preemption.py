@@ -17,8 +17,9 @@ the newest version, and a flush would only delay the restart. A rank tells the t
 whether *every* rank of the job got the signal: each counts itself on the job's store, and a
 rank that finds a rank of its host dead (the failure a teardown follows) decides it is none,
 which ends the wait for every rank: the first decision on the store holds for all. The rank
-whose process serves the store (rank 0 under the deepspeed launcher) lets the others read it
-before it goes on to end. Every rank counted within :func:`arrival_s`: a preemption.
+whose process serves the store (rank 0 under the deepspeed launcher) waits for the others to
+read it, since the store ends with that process. Every rank counted within
+:func:`arrival_s`: a preemption.
 Otherwise a teardown, or a part of the job stopping (its nodes' loss is what erasure coding is
 for): nothing is flushed, and the process ends once the wait ends.
 """
