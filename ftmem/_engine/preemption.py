@@ -186,7 +186,7 @@ def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]
     decided = store.compare_set(DECIDED_KEY, b"", _GO if why is None else why.encode()).decode()
     store.add(READ_KEY, 1)
     if served_here(store):
-        _until_read(store, rank, world_size - len(dead_here()))
+        _until_read(store, rank, world_size - len(dead))
     return None if decided == _GO.decode() else decided
 
 
