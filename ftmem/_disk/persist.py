@@ -19,7 +19,6 @@ only the training processes have the process groups to gather it.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -37,6 +36,7 @@ from ftmem._disk.format import FrameworkFormat
 from ftmem._common.logs import job_info, rank_error, rank_info
 from ftmem._common.parallel import destroy_groups
 from ftmem._state.tree import tensors
+from ftmem._shm.private import writing_temporary
 from ftmem._shm.slots import write_atomically
 
 MANIFEST = "ftmem_flushed.json"  # what this tier completed, oldest first: [{"name", "version"}]
@@ -68,19 +68,14 @@ def save_atomically(obj: Any, path: str) -> None:
     the whole file or none. A write that fails raises its OSError (ENOSPC, EIO, ...), and
     leaves no temporary file."""
     tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            writer = _KeepsWriteErrors(f)
-            try:
-                torch.save(obj, writer)
-            except RuntimeError:
-                if writer.error is not None:
-                    raise OSError(writer.error.errno, writer.error.strerror, tmp) from None
-                raise
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with writing_temporary(tmp), open(tmp, "wb") as f:
+        writer = _KeepsWriteErrors(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise OSError(writer.error.errno, writer.error.strerror, tmp) from None
+            raise
     os.replace(tmp, path)
 
 

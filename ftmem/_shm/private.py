@@ -13,9 +13,11 @@ Hence:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import stat
+from typing import Iterator
 
 from ftmem.errors import UnsafeSharedMemory
 
@@ -94,13 +96,29 @@ def write_atomically(path: str, data: bytes, private: bool = False) -> None:
     disk, which other users of the cluster may be meant to read)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     unlink_if_present(tmp)  # left by a killed process whose pid this one reuses
-    if private:
-        write_new(tmp, data)
-    else:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666),
-                       "wb") as f:
-            f.write(data)
+    with writing_temporary(tmp):
+        if private:
+            write_new(tmp, data)
+        else:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666),
+                           "wb") as f:
+                f.write(data)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def writing_temporary(tmp: str) -> Iterator[None]:
+    """Around the writing of ``tmp``, a file renamed into place once whole: a failure
+    removes it, and an OSError without a file name gets ``tmp`` as its name (a full disk
+    that the close of a buffered file finds is raised without one)."""
+    try:
+        yield
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            raise OSError(e.errno, e.strerror, tmp) from e
+        raise
 
 
 def unlink_if_present(path: str) -> None:

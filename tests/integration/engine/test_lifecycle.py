@@ -3,6 +3,7 @@
 Two ranks on two virtual nodes (k=1, m=1) run tests/harness/lifecycle_job.py, a job on the
 adapter runtime, and end in different ways: real processes, real SMPs, real exits.
 """
+import errno
 import glob
 import json
 import os
@@ -21,8 +22,8 @@ from ftmem._shm import jobs
 from ftmem._engine.elastic import _Head, line_of_jobs
 from ftmem._shm.slots import VersionRef
 from ftmem._common.identity import job_root
-from ftmem._disk.persist import MANIFEST, STAGING_MARK
-from ftmem._shm.slots import RankStore
+from ftmem._disk.persist import MANIFEST, STAGING_MARK, save_atomically
+from ftmem._shm.slots import RankStore, write_atomically
 from ftmem._shm.smp_client import running_smp, stop_smp
 
 TIMEOUT = 120
@@ -187,6 +188,29 @@ def test_a_full_disk_under_the_persistent_tier_is_named_and_leaves_nothing_half_
     assert [torch.load(tiny_disk / "v1" / f"rank{r}.pt").unique().tolist() for r in range(2)] == [[1.0], [1.0]]
     assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}  # memory keeps what the disk could not take
 
+
+
+def test_a_write_that_fills_the_disk_names_its_file_and_leaves_no_temporary_file(tiny_disk):
+    """A full disk shows either in a write during torch.save or in the close of the file,
+    where Python's buffered file writes its tail and raises an OSError without a file name.
+    CI met the close's case: the flush failure named the staging directory instead of the
+    file. Whatever the size, the error names the temporary file, and the file goes."""
+    (tiny_disk / "fill").write_bytes(b"x" * 240 * 1024)  # 16 KiB of the 256 KiB stay free
+    failed = 0
+    for nbytes in range(12 * 1024, 18 * 1024, 16):  # around the free space, either side of each buffer's end
+        path = tiny_disk / "t.pt"
+        try:
+            save_atomically(torch.zeros(nbytes // 4), str(path))
+        except OSError as e:
+            failed += 1
+            assert (e.errno, e.filename) == (errno.ENOSPC, f"{path}.tmp"), (nbytes, e)
+        path.unlink(missing_ok=True)
+        assert os.listdir(tiny_disk) == ["fill"], nbytes
+    assert failed > 0
+    with pytest.raises(OSError) as raised:
+        write_atomically(str(tiny_disk / "manifest"), b"x" * 20 * 1024)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename.startswith(f"{tiny_disk}/manifest.tmp.")
+    assert os.listdir(tiny_disk) == ["fill"]
 
 def test_a_load_while_a_save_is_protected_waits_for_the_save_thread(shm_dir, tmp_path):
     """A load right after a save (DeepSpeed's rollback mid-run) ran its first collective on
