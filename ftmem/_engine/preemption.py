@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ftmem._common.job_store import served_here
+from ftmem._common.job_store import served_here, until_counted
 from ftmem._common.logs import flush_logs, rank_info, rank_warning
 from ftmem.config import PreemptionConfig
 
@@ -194,11 +194,8 @@ def _until_read(store, rank: int, ranks: int) -> None:
     """Until ``ranks`` ranks have read the decision, or READ_WAIT_S passed: this process
     serves the job's store, which ends with it, and a rank that has not read the decision
     by then hears only that the store is gone, not why this is no preemption."""
-    end = time.monotonic() + READ_WAIT_S
-    while (read := store.add(READ_KEY, 0)) < ranks:
-        if time.monotonic() > end:
-            rank_info(rank, "%d of the job's %d live ranks had not read the decision after %.0f s (not told to stop, "
-                      "or dead on another host): the job's store, served by this process, ends with it all the "
-                      "same", ranks - read, ranks, READ_WAIT_S)
-            return
-        time.sleep(POLL_S)
+    read = until_counted(store, READ_KEY, ranks, READ_WAIT_S)
+    if read < ranks:
+        rank_info(rank, "%d of the job's %d live ranks had not read the decision after %.0f s (not told to stop, "
+                  "or dead on another host): the job's store, served by this process, ends with it all the "
+                  "same", ranks - read, ranks, READ_WAIT_S)
