@@ -11,7 +11,10 @@ every rank is watched from another host and the store serves a few operations pe
 interval, whatever the job's size. A rank whose watched rank's counter has not moved for the
 timeout puts its verdict on the store (``compare_set``: the first verdict holds), every rank
 reads it at its next beat, logs one line naming the node and ends its process with
-:data:`EXIT_CODE`. A store silent for the timeout that takes no new connection either (the host
+:data:`EXIT_CODE`; the rank that put it there ends once the live ranks have read it (at most
+two beats): its end may end the store (rank 0 serves it, where the launcher does not) and
+break the others' collectives, and a rank that had not read the verdict would end on that,
+not saying why. A store silent for the timeout that takes no new connection either (the host
 that serves it is lost) ends the rank as well. A failed beat is no verdict: the next one takes a
 new connection; and a rank blames the rank it watches for the silence its own beats saw, so
 that a rank whose own beats were held up blames nobody.
@@ -37,7 +40,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ftmem._common.job_store import tcp_store_under
+from ftmem._common.job_store import tcp_store_under, until_counted
 from ftmem._common.logs import flush_logs, log, rank_error
 
 # EX_TEMPFAIL: the job failed, and restarting it is the remedy (any code but 0 makes the
@@ -75,7 +78,7 @@ class FailureDetector:
     def __init__(self, connect: Callable[[], dist.Store], store_name: str, run: str, rank: int, world_size: int,
                  ranks_per_node: int, timeout_s: float):
         self.rank, self.timeout_s, self.interval_s = rank, timeout_s, interval_s(timeout_s)
-        self._ranks_per_node = ranks_per_node
+        self._world_size, self._ranks_per_node = world_size, ranks_per_node
         self._connect, self._store_name = connect, store_name
         self._store, self._key = connect(), f"ftmem/failure_detection/{run}/"
         self.watched = watched_rank(rank, world_size, ranks_per_node)
@@ -126,6 +129,8 @@ class FailureDetector:
                 self._store.add(own, 1)
                 count = self._store.add(watched, 0)
                 said = self._store.get(verdict).decode() if self._store.check([verdict]) else None
+                if said is not None and self._verdict is None:  # (only this thread sets it)
+                    self._store.add(self._key + "verdict_read", 1)
                 if self._watched_host is None and count > 0:  # it set its host before its first beat
                     self._watched_host = self._store.get(self._key + f"host/{self.watched}").decode()
             except Exception as e:  # a call that timed out, or a connection closed: the judge counts the silence
@@ -180,9 +185,8 @@ class FailureDetector:
                 node = self.watched // self._ranks_per_node
                 verdict = self._publish(f"node {node} (host {self._watched_host or '?'}, rank {self.watched}) has not "
                                         f"answered for {silent:.0f} s (seen by rank {self.rank})")
-                # Every rank reads it at its next beat: before this rank's end, which may end the store
-                # (rank 0 serves it, where the launcher does not).
-                self._end(verdict, linger_s=1.5 * self.interval_s)
+                self._until_read()
+                self._end(verdict)
 
     def _publish(self, verdict: str) -> str:
         """Put ``verdict`` on the store for every rank; the verdict that holds there (an earlier
@@ -197,12 +201,26 @@ class FailureDetector:
         putter.join(self.interval_s)
         return held[0]
 
-    def _end(self, verdict: str, linger_s: float = 0.0) -> None:
+    def _until_read(self) -> None:
+        """Until every live rank has read the verdict (at its next beat), at most two beats:
+        all but the watched rank's node, where more are lost, the wait runs out and says so."""
+        live = self._world_size - (1 if self._world_size <= self._ranks_per_node else self._ranks_per_node)
+        wait_s = 2 * self.interval_s
+        try:
+            read = until_counted(self._store, self._key + "verdict_read", live, wait_s)
+        except Exception as e:  # the store went meanwhile: nobody else can read it now
+            log.debug("rank %d: could not count the ranks that read the verdict (%s)", self.rank, e)
+            return
+        if read < live:
+            rank_error(self.rank, "%d of the job's %d live ranks had not read the verdict after %.1f s (more ranks "
+                       "lost, or stalled): they end on their own detector or on the failures this rank's end "
+                       "causes", live - read, live, wait_s)
+
+    def _end(self, verdict: str) -> None:
         if self._stopped.is_set():  # the rank left meanwhile (its engine closed)
             return
         rank_error(self.rank, "%s: ending this process (exit code %d) so that the launcher restarts the job at once "
                    "(\"ftmem.failure_detection\" sets the timeout of %.0f s, or turns this off)", verdict, EXIT_CODE,
                    self.timeout_s)
         flush_logs()
-        time.sleep(linger_s)
         os._exit(EXIT_CODE)

@@ -1,14 +1,22 @@
-"""The failure detector against a real TCP store when a beat fails: the connection of one
-rank's beats is reset (a proxy between it and the store, as a NAT or a load balancer drops a
-flow), and the beats must go on over a new one, so that the rank watching it sees no silence
-(the ends of a whole job at a hung or lost node run through DeepSpeed:
+"""The failure detector against a real TCP store, in real processes: when a beat fails (the
+connection of one rank's beats is reset by a proxy between it and the store, as a NAT or a
+load balancer drops a flow), the beats must go on over a new one, so that the rank watching it
+sees no silence; and when a rank puts a verdict on the store that its own process serves, it
+must not end (and end the store) before a rank slow to read the verdict has read it. The ends
+of a whole job at a hung or lost node run through DeepSpeed:
 test_deepspeed.py::test_a_hung_or_killed_node_ends_the_survivors_at_the_detector_s_timeout...)."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
 
 from harness.ranks import REPO
+from ftmem._engine.failure_detector import EXIT_CODE, interval_s
 
 SCRIPT = textwrap.dedent("""
     import socket, struct, sys, threading, time
@@ -63,8 +71,8 @@ SCRIPT = textwrap.dedent("""
     detectors = [FailureDetector(connect(port), "the store", "run", rank, 2, 1, TIMEOUT_S)
                  for rank, port in ((0, proxy.port), (1, store.port))]
     time.sleep(TIMEOUT_S / 2)
+    print("RESETTING", file=sys.stderr, flush=True)  # before: the failed beat's own line says "reset"
     proxy.reset()
-    print("reset", file=sys.stderr, flush=True)  # (ftmem's log lines go to stderr)
     counter = lambda: store.add("ftmem/failure_detection/run/alive/0", 0)
     after_reset = counter()
     time.sleep(3 * TIMEOUT_S)  # a verdict ends this process with exit code 75
@@ -79,6 +87,55 @@ def test_a_beat_that_fails_takes_a_new_connection_and_the_watcher_sees_no_silenc
                           text=True, timeout=120, env=dict(os.environ, FTMEM_LOG_LEVEL="DEBUG"))
     said = proc.stdout
     assert proc.returncode == 0, said  # 75: rank 1 took rank 0 for a lost node
-    assert "rank 0: a heartbeat failed" in said.split("reset", 1)[1], said  # the reset broke a beat for real
+    assert "rank 0: a heartbeat failed" in said.split("RESETTING", 1)[1], said  # the reset broke a beat for real
     beats = int(said.split("beats after the reset:")[1].split()[0])
     assert beats >= 5, said  # 6 s at a beat every 0.4 s: the beats went on
+
+
+VERDICT_TIMEOUT_S = 15.0  # beats every 3 s
+RANK = textwrap.dedent("""
+    import sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from ftmem._engine.failure_detector import FailureDetector
+
+    rank, port, timeout_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)  # rank 0 serves it
+    print("PORT", store.port, flush=True)
+    connect = lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+                                    timeout=timedelta(seconds=timeout_s))
+    FailureDetector(connect, "the store", "run", rank, 3, 1, timeout_s)  # rank 1 never beats: lost
+    time.sleep(120)  # the detector ends this process
+""")
+
+
+def test_the_rank_that_serves_the_store_ends_its_verdict_only_once_a_slow_rank_read_it():
+    """Ranks 0 and 2 of 3, one per node; rank 1 never beats. Rank 0 (which watches rank 1 and
+    serves the store) puts the verdict on the store; rank 2 (which watches rank 0) is stopped
+    right then for 1.75 beats, as a crowded node runs a thread late. Rank 0 used to end 1.5
+    beats after its verdict whatever the others did, and rank 2, finding the store gone, ended
+    later on the store's silence instead of naming the lost node."""
+    def start(rank, port):
+        return subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(port), str(VERDICT_TIMEOUT_S)], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = {0: start(0, 0)}
+    try:
+        port = int(procs[0].stdout.readline().split()[1])
+        procs[2] = start(2, port)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))
+        end = time.monotonic() + 3 * VERDICT_TIMEOUT_S
+        while not store.check(["ftmem/failure_detection/run/verdict"]):
+            assert time.monotonic() < end, "rank 0 put no verdict on the store"
+            time.sleep(0.01)
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        time.sleep(1.75 * interval_s(VERDICT_TIMEOUT_S))
+        os.kill(procs[2].pid, signal.SIGCONT)
+        said = {rank: proc.communicate(timeout=3 * VERDICT_TIMEOUT_S)[0] for rank, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    assert [procs[0].returncode, procs[2].returncode] == [EXIT_CODE] * 2, said
+    for rank in (0, 2):
+        assert f"rank {rank}: node 1 (host ?, rank 1) has not answered for" in said[rank], said[rank]
+        assert "(seen by rank 0): ending this process" in said[rank], said[rank]
