@@ -62,14 +62,16 @@ TEARDOWN = textwrap.dedent("""
     import os, sys, time
     from datetime import timedelta
     import torch.distributed as dist
-    from ftmem._engine.preemption import whole_job_told
+    from ftmem._engine.preemption import DECIDED_KEY, whole_job_told
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=60))
     if rank == 1:  # the failure a teardown follows
         os._exit(0)
     def dead_here():
-        if rank == 2:  # a rank that reads /dev/shm slower than rank 0 on a crowded node
-            time.sleep(1.0)
+        if rank == 2:  # a rank that reads /dev/shm slower than rank 0 on a crowded node: after its decision
+            while not dist.distributed_c10d._get_default_store().check([DECIDED_KEY]):
+                time.sleep(0.01)
+            time.sleep(0.3)
         return [1]
     print("decided:", whole_job_told(rank, 3, dead_here, 10.0), flush=True)
     os._exit(0)  # as the engine ends the process: rank 0's ends the store with it
@@ -78,8 +80,8 @@ TEARDOWN = textwrap.dedent("""
 
 def test_the_rank_that_serves_the_store_ends_only_once_the_others_read_why_this_is_no_preemption(tmp_path):
     """Rank 0 serves the job's store (the deepspeed launcher's env://). Rank 1 died, so the
-    SIGTERM that follows is a teardown: rank 0 decides so at once; rank 2 gets there a second
-    later, and must read the same reason, not find the store gone with rank 0."""
+    SIGTERM that follows is a teardown: rank 0 decides so at once; rank 2 gets there after that
+    decision, and must read the same reason, not find the store gone with rank 0."""
     env = dict(os.environ, **RANK_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, "-c", TEARDOWN, str(rank)], cwd=REPO, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(3)]
