@@ -124,13 +124,15 @@ class FailureDetector:
 
     def _beat(self) -> None:
         own, watched, verdict = self._counter(self.rank), self._counter(self.watched), self._key + "verdict"
+        counted = False  # this rank among those that read the verdict (once, whatever fails after)
         while not self._stopped.is_set():
             try:
                 self._store.add(own, 1)
                 count = self._store.add(watched, 0)
                 said = self._store.get(verdict).decode() if self._store.check([verdict]) else None
-                if said is not None and self._verdict is None:  # (only this thread sets it)
+                if said is not None and not counted:
                     self._store.add(self._key + "verdict_read", 1)
+                    counted = True
                 if self._watched_host is None and count > 0:  # it set its host before its first beat
                     self._watched_host = self._store.get(self._key + f"host/{self.watched}").decode()
             except Exception as e:  # a call that timed out, or a connection closed: the judge counts the silence
