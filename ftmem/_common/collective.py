@@ -1,5 +1,5 @@
 """The job-wide collectives every part of ftmem uses to make all ranks take the same way
-out: gather what each rank has, take the first problem any rank found, vote. A rank that
+out: gather what each rank has, take the first problem any rank found. A rank that
 decides alone (to fall back, to refuse, to stop) while the others go on leaves them
 waiting in the next collective; these helpers give every rank the same answer.
 
@@ -14,7 +14,6 @@ import itertools
 from datetime import timedelta
 from typing import Any, Optional, Sequence, TypeVar
 
-import torch
 import torch.distributed as dist
 
 from ftmem._common import testhooks
@@ -56,15 +55,6 @@ def first_problem(problem: Optional[T], group: Optional[dist.ProcessGroup]) -> O
 def all_problems(problem: Optional[T], group: Optional[dist.ProcessGroup]) -> list[T]:
     """Every rank's problem, by rank, those without one left out."""
     return [p for p in gather(problem, group) if p is not None]
-
-
-def vote(yes: bool, group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether every rank says ``yes`` (a tensor all-reduce: cheaper than a gather of objects)."""
-    if group is None:
-        return yes
-    ballot = torch.tensor([int(yes)], dtype=torch.int64)
-    dist.all_reduce(ballot, op=dist.ReduceOp.MIN, group=group)
-    return bool(ballot.item())
 
 
 def collective_timeout_s() -> float:

@@ -1,11 +1,14 @@
 """The job's store (torch.distributed's default store): the TCP store under it, whether this
-process serves it, and the bounded wait of a rank that must not end before the others read
-what it decided. Under torchrun its agent serves the store; under the deepspeed launcher and
-plain ``env://`` the process of rank 0 does, and the store ends with that process."""
+process serves it, a connection of a caller's own to it, and the bounded wait of a rank that
+must not end before the others read what it decided. Under torchrun its agent serves the
+store; under the deepspeed launcher and plain ``env://`` the process of rank 0 does, and the
+store ends with that process."""
 from __future__ import annotations
 
 import os
+import socket
 import time
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -19,6 +22,41 @@ def tcp_store_under(store: dist.Store) -> Optional[dist.TCPStore]:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store if isinstance(store, dist.TCPStore) else None
+
+
+class StoreGone(RuntimeError):
+    """Nothing listens at the job's store's address any more: the process that served it
+    ended, and the store with it (it never comes back: a job's store is not restarted)."""
+
+
+def own_connection(store: dist.Store, wait_s: float) -> dist.Store:
+    """A connection of the caller's own to the TCP store under ``store`` (its keys as
+    ``store`` sees them), whose calls wait at most ``wait_s``: a store client serves one
+    call at a time, and the training's own calls on the default one (a ``get`` of a key a
+    slow rank has not set yet, NCCL's watchdog) may block it for minutes. Where the store is
+    no TCP store (a file's), or this torch cannot clone a store (older releases), ``store`` itself.
+
+    Nothing listening at the store's address (its process ended: rank 0 serves it under
+    ``env://``) raises :class:`StoreGone` at once, and nothing answering within ``wait_s``
+    TimeoutError (or the OSError met), where a store client would try to connect again until
+    its own timeout."""
+    tcp = tcp_store_under(store)
+    if tcp is None or not hasattr(store, "clone"):
+        return store
+    try:
+        socket.create_connection((tcp.host, tcp.port), timeout=wait_s).close()
+    except ConnectionRefusedError as e:
+        raise StoreGone(f"{store_name(store)} is gone: nothing listens there any more (the process that served "
+                        f"it ended)") from e
+    own = store.clone()
+    own.set_timeout(timedelta(seconds=wait_s))
+    return own
+
+
+def store_name(store: dist.Store) -> str:
+    """The job's store in words, with its address where it has one."""
+    tcp = tcp_store_under(store)
+    return f"the job's store ({tcp.host}:{tcp.port})" if tcp is not None else "the job's store"
 
 
 def served_here(store: dist.Store) -> bool:

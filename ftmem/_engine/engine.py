@@ -23,20 +23,21 @@ import dataclasses
 import os
 import secrets
 import signal
-from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ftmem._engine.commit import Committer, Lag
-from ftmem.config import FtmemConfig
-from ftmem._state.copier import capture_cuda_order
+from ftmem.config import FtmemConfig, seconds_from_env
+from ftmem._state.copier import capture_cuda_order, taken_now
 from ftmem._state.destinations import RestoreTargets
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
-from ftmem._common.collective import gather, new_group, vote
+from ftmem._common import exit_status
+from ftmem._common.agreement import unanimous
+from ftmem._common.collective import collective_timeout_s, gather, new_group
 from ftmem._common.logs import job_info, rank_info, rank_warning
 from ftmem._engine.failure_detector import FailureDetector
 from ftmem._engine.preemption import PreemptionWatch, arrival_s, say_grace_ended, whole_job_told
@@ -56,8 +57,14 @@ from ftmem._shm.smp_client import SmpClient
 
 __all__ = ["SnapshotEngine", "Restored"]
 
-# How long a closing rank waits for the others to say whether the job finished.
-FINISH_TIMEOUT_S = float(os.environ.get("FTMEM_FINISH_TIMEOUT_S", "60"))
+# How long a rank that finished waits for the others to say whether they did.
+FINISH_TIMEOUT_S = 60.0
+FINISH_TIMEOUT_ENV = "FTMEM_FINISH_TIMEOUT_S"
+
+
+def finish_timeout_s() -> float:
+    return seconds_from_env(FINISH_TIMEOUT_ENV, FINISH_TIMEOUT_S, minimum=1,
+                            what="how long a rank that finished waits for the others to say whether they did")
 
 
 def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
@@ -95,6 +102,8 @@ class SnapshotEngine:
         origin: Optional[str] = None,
     ):
         self.config = config if isinstance(config, FtmemConfig) else FtmemConfig.from_dict(config)
+        # The waits the environment may set, read now: a bad value stops the job at its start, not where it waits.
+        finish_timeout_s(), collective_timeout_s(), self.config.failure_detection.resolve()
         #: the network interface ftmem's gloo groups take (None: gloo's own choice); an interface
         #: this host lacks is refused here, before any group is made
         self.network_interface = self.config.network.resolve()
@@ -108,7 +117,7 @@ class SnapshotEngine:
         k, m = self.config.ec.resolve(self.identity.num_nodes)
         self.topology = Topology(world_size, self.identity.ranks_per_node,
                                  tuple(ec_groups(self.identity.num_nodes, k, m)))
-        gloo = dp_group = column = finish_group = None
+        gloo = dp_group = column = None
         if world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise FtmemError(
@@ -119,7 +128,6 @@ class SnapshotEngine:
             if interface is not None:
                 job_info("ftmem's process groups take the network interface %s", interface)
             gloo = new_group(interface=interface)
-            finish_group = new_group(interface=interface, timeout=timedelta(seconds=FINISH_TIMEOUT_S))
             dp_group = make_dp_groups(self.layout, rank, interface)
             if m > 0:
                 column = ColumnCoder(self.topology, rank)
@@ -129,7 +137,10 @@ class SnapshotEngine:
                                           sharded=dp_shard)
         #: a gloo group of the whole job, apart from the training groups (None on one rank)
         self.job_group = gloo
-        self._dp_shard, self._column, self._finish_group = dp_shard, column, finish_group
+        self._dp_shard, self._column = dp_shard, column
+        # Held from the start: the job's end decides on it, also after the script destroyed
+        # torch.distributed's groups (and, on the rank whose process serves it, keeps it served).
+        self._job_store = dist.distributed_c10d._get_default_store() if world_size > 1 else None
         refuse_another_node_layout(self.identity, gloo)
         node = self.identity.node
         self._smp = SmpClient(self.identity.node_dir, list(range(node * self.identity.ranks_per_node,
@@ -149,7 +160,10 @@ class SnapshotEngine:
                                                                                            torch.device("cpu")))
         self._planner = Planner()
         self.lineage: Optional[VersionRef] = None  # recorded in each version (CommitRecord.lineage)
-        self._closed = False
+        self._closed = self._ended = False
+        self._verdict: Optional[str] = None  # the job's verdict on its end (end_of_job), once self._ended
+        self._pid = os.getpid()  # a forked child's copy of the engine acts for nobody
+        exit_status.watch()
         self._preemption = PreemptionWatch.install(self.config.preemption, rank, self._on_preemption)
         self._detector = FailureDetector.start(self.config.failure_detection.resolve(), self._run, rank, world_size,
                                                self.identity.ranks_per_node)
@@ -160,7 +174,7 @@ class SnapshotEngine:
 
     # -- save -----------------------------------------------------------------
     def save(self, state: Any, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
-             persist: bool = False) -> SaveHandle:
+             persist: bool = False, written_in_forward: Optional[Callable[[torch.Tensor], bool]] = None) -> SaveHandle:
         """Start snapshotting ``state`` as ``version``; returns without waiting for the copy,
         and never for the protection of this or an earlier save (:mod:`ftmem._engine.commit`).
 
@@ -170,7 +184,11 @@ class SnapshotEngine:
         back. Every replica must then hand in the same replicated tensors, in order.
 
         Until the returned handle's ``wait_reusable()`` returns, the tensors in
-        ``state`` must not be modified (call it before the optimizer step). Every rank
+        ``state`` must not be modified (call it before the optimizer step), but for those
+        ``written_in_forward(t)`` names: tensors the next forward may write in place before
+        the optimizer step (a module's buffers, as BatchNorm's running statistics; a
+        client's counters), which are copied before this returns, so that nothing in the
+        version is newer than the save (they are small; the rest is copied in the background). Every rank
         saves the same versions, in increasing order; saving a version <= one already held
         first waits for the saves in flight, then drops the held ones from there on (a
         timeline the job has abandoned).
@@ -182,6 +200,7 @@ class SnapshotEngine:
         if persist and self._committer.flusher is None:
             raise FtmemError("save(persist=True) needs a persistent tier: call persist_with first.")
         self._committer.raise_failure()
+        exit_status.carried_on()
         skeleton, tensors = split_state(state)
         flags = [bool(replicated(t)) for t in tensors] if (self._dp_shard and replicated) else None
         replica = (self.dp_peers.ranks.index(self.rank), len(self.dp_peers.ranks))
@@ -198,7 +217,8 @@ class SnapshotEngine:
                               layout=self.layout, format=self.format, origin=self.identity.origin,
                               lineage=self.lineage, uid=ref.uid, timeline=ref.timeline)
         handle = SaveHandle(version, ref)
-        self._committer.start(handle, record, tensors, capture_cuda_order(tensors), persist)
+        sources = taken_now(tensors, written_in_forward)
+        self._committer.start(handle, record, sources, capture_cuda_order(sources), persist)
         return handle
 
     def _saved_at_or_after(self, version: int) -> bool:
@@ -282,20 +302,19 @@ class SnapshotEngine:
     def _on_preemption(self, signum: int, deadline: float) -> None:
         """The job may have been told to stop (``signum``; the process ends after this):
         if every rank was, the newest version goes to the persistent tier by ``deadline``."""
-        name, lag = signal.Signals(signum).name, self.lag()
-        held = f"version {lag.newest_protected} protected, {lag.newest_saved} saved"
+        name = signal.Signals(signum).name
         if self.flusher is None:
             job_info("%s: no persistent tier (\"ftmem.persist\") to flush to: what memory holds (%s) is lost if the "
-                     "job's machines go", name, held)
+                     "job's machines go", name, self._held())
             return
         try:
             why_not = whole_job_told(self.rank, self.identity.world_size, self._dead_here,
-                                     arrival_s(self.config.preemption.grace_s))
+                                     arrival_s(self.config.preemption.grace_s), self._job_store)
         except Exception as e:  # the job's store went first (the rank that served it died)
             why_not = f"the job's store does not answer ({str(e).splitlines()[0]})"  # (not torch's C++ frames)
-        if why_not is not None:
-            rank_info(self.rank, "%s, not as a preemption of the whole job (%s): nothing is flushed; memory keeps "
-                      "%s for the restart", name, why_not, held)
+        if why_not is not None:  # training went on meanwhile: what memory holds now is what the restart finds
+            rank_info(self.rank, "%s, not as a preemption of the whole job (%s): nothing is flushed; the process "
+                      "ends now, and memory keeps %s for the restart", name, why_not, self._held())
             return
         self._stop_detecting()  # every rank ends within the grace, one after the other: no failure
         job_info("%s to every rank: the newest version goes to %s before the processes end (%d s of grace)", name,
@@ -310,6 +329,10 @@ class SnapshotEngine:
             job_info("version %s was not flushed at %s (%s)", final.version, name, final.problem)
         else:
             job_info("at %s, version %s was on disk already", name, final.version)
+
+    def _held(self) -> str:
+        lag = self.lag()
+        return f"version {lag.newest_protected} protected, {lag.newest_saved} saved"
 
     def _stop_detecting(self) -> None:
         if self._detector is not None:
@@ -376,21 +399,26 @@ class SnapshotEngine:
         (collective: every rank closes). With ``job_finished`` on every rank, the job says it
         is done: each rank tells its SMP, which frees the node's shared memory once all its
         ranks have. If any rank closes without it, fails to, or its last flush failed, the
-        snapshots stay for a restarted job (or ``ftmem clean``). A second call does nothing."""
-        if self._closed:
+        snapshots stay for a restarted job (or ``ftmem clean``). A second call does nothing,
+        as does a call in a forked child (the engine is its parent's)."""
+        if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
         if self._preemption is not None:
             self._preemption.uninstall()
+        keep = None if job_finished else "it keeps the job's memory"
         try:
             self.wait_flushed()
-        except BaseException:
-            job_finished = False  # what did not reach the disk must stay in memory
+        except BaseException as e:
+            keep = f"its last save or flush failed ({e})"  # what did not reach the disk must stay in memory
             raise
         finally:
             self._committer.shutdown()
             self.memory.unmap()
-            if self.every_rank_finished(job_finished):
+            # Every rank frees, or none: a rank that dies after the job agreed it finished (in
+            # its last flush, say) keeps every node's memory, not only its own. (A job that did
+            # not finish frees nothing, as every rank knows.)
+            if self.end_of_job(keep) is None and self._agree("free", keep) is None:
                 self._smp.finish(self.rank)
             self._smp.close()
             self._end_groups()
@@ -403,18 +431,35 @@ class SnapshotEngine:
         self._committer.keep(version)
         self.lineage, self.timeline = lineage, timeline
 
-    def every_rank_finished(self, finished: bool) -> bool:
-        """Whether every rank of the job says ``finished`` (collective, bounded by FINISH_TIMEOUT_S;
-        False if a rank does not answer). Memory is freed only on a job-wide agreement, never
-        because one rank or node ended, so a rank that died in the teardown keeps the versions.
-        The ranks end one after the other from here: the failure detector stops."""
-        self._stop_detecting()
+    def end_of_job(self, problem: Optional[str]) -> Optional[str]:
+        """The job's verdict on its end, the same on every rank: None if every rank finished,
+        else why not (collective; ``problem``: why this rank did not). Decided once: a second
+        call (the close after the adapter's end) gives the same verdict.
+
+        Only a job-wide finish is leaving: then the failure detector stops, and the ranks end
+        one after the other. Otherwise it falls silent, and the ranks still running (stuck in
+        a collective of the training, which may never fail by itself) hear from their own
+        detectors, within its timeout, that this rank is gone."""
+        if not self._ended:
+            self._verdict, self._ended = self._agree("end", problem), True
+        if self._detector is not None:
+            self._detector.stop() if self._verdict is None else self._detector.fall_silent()
+        return self._verdict
+
+    def _agree(self, what: str, objection: Optional[str]) -> Optional[str]:
+        """None if every rank comes to the decision ``what`` of the job's end without an
+        objection (:func:`ftmem._common.agreement.unanimous`, on the job's store): a rank with
+        one does not wait for the others, one without waits at most :func:`finish_timeout_s`.
+        Else why not, the same on every rank; a store that does not answer is a no."""
         try:
-            return vote(finished, self._finish_group)
-        except Exception as e:  # a rank died, or the process groups were destroyed first
+            verdict = unanimous(self._job_store, f"ftmem/{what}/{self._run}", self.rank, self.identity.world_size,
+                                objection, finish_timeout_s())
+        except Exception as e:  # the store is gone (the process that served it ended) or hung
+            verdict = f"the job's store did not answer ({str(e).splitlines()[0]})"
+        if verdict is not None and objection is None:
             rank_warning(self.rank, "could not agree with the other ranks that the job finished (%s); the job's "
-                         "memory stays for a restart", e)
-            return False
+                         "memory stays for a restart", verdict)
+        return verdict
 
     def _end_groups(self) -> None:
         """Destroy the engine's gloo groups (and the persistent tier's) and let go of every
@@ -422,8 +467,8 @@ class SnapshotEngine:
         Left for interpreter shutdown, those threads end, or drop a collective's tensor (pytorch/
         pytorch#190489), while Python is finalizing, which now and then aborted a rank at its
         clean exit ("terminate called without an active exception")."""
-        destroy_groups(self.job_group, self._finish_group, self.dp_peers.group, getattr(self._column, "pg", None))
-        self.job_group = self._finish_group = None
+        destroy_groups(self.job_group, self.dp_peers.group, getattr(self._column, "pg", None))
+        self.job_group = None
         self.dp_peers = dataclasses.replace(self.dp_peers, group=None)
         self._restorer.forget_groups(self.dp_peers)
         self._committer.forget_groups()

@@ -15,18 +15,25 @@ reads it at its next beat, logs one line naming the node and ends its process wi
 two beats): its end may end the store (rank 0 serves it, where the launcher does not) and
 break the others' collectives, and a rank that had not read the verdict would end on that,
 not saying why. A store silent for the timeout that takes no new connection either (the host
-that serves it is lost) ends the rank as well. A failed beat is no verdict: the next one takes a
-new connection; and a rank blames the rank it watches for the silence its own beats saw, so
-that a rank whose own beats were held up blames nobody.
+that serves it is lost) ends the rank as well, and so does one where nothing listens any
+more, at once (the process that served it ended: rank 0, under ``env://``; the job can make
+no collective again). A failed beat is no verdict: the next one takes a new connection; and a
+rank blames the rank it watches for the silence its own beats saw, so that a rank whose own
+beats were held up blames nobody.
 
 The beats go over a connection of the detector's own: a store client blocks every other use
 of itself while one call waits (the framework's ``get`` of a key a slow rank has not set yet),
 and that wait is no failure. A second thread judges, since a call to a stopped store blocks.
 
-A rank that closes its engine, or whose interpreter exits, says it left (its counter jumps by
-:data:`_LEFT`): its silence after that is no failure. Keys carry the engine's run id, the
-same on every rank and new at each start, so a store that outlives an attempt (torchrun's
-agent's) holds no verdict of an earlier one.
+A rank says it left (its counter jumps by :data:`_LEFT`), and its silence after that is no
+failure, only where the job agreed that it finished (the engine's end of the job), at a
+preemption of the whole job, or where its interpreter exits cleanly without having closed the
+engine. A rank that ends because it failed (an uncaught exception, a non-zero ``sys.exit``:
+:mod:`ftmem._common.exit_status`; a job that did not finish) falls silent instead: its watcher
+reports it within the timeout, and the ranks that wait for it in a collective that never fails
+by itself (NCCL's) end and restart. Keys carry the engine's run id, the same on every rank and
+new at each start, so a store that outlives an attempt (torchrun's agent's) holds no verdict
+of an earlier one.
 """
 from __future__ import annotations
 
@@ -35,12 +42,12 @@ import os
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ftmem._common.job_store import tcp_store_under, until_counted
+from ftmem._common import exit_status
+from ftmem._common.job_store import StoreGone, own_connection, store_name, until_counted
 from ftmem._common.logs import flush_logs, log, rank_error
 
 # EX_TEMPFAIL: the job failed, and restarting it is the remedy (any code but 0 makes the
@@ -61,22 +68,12 @@ def watched_rank(rank: int, world_size: int, ranks_per_node: int) -> int:
     return (rank + ranks_per_node) % world_size
 
 
-def _connector(store: dist.Store, timeout_s: float) -> tuple[Callable[[], dist.Store], str]:
-    """What makes a connection of the detector's own to the TCP store under ``store``
-    (torchrun's, or the one MASTER_ADDR names), and that store's name; where it is no TCP
-    store (a file's), ``store`` itself serves."""
-    inner = tcp_store_under(store)
-    if inner is None:
-        return (lambda: store), "the job's store (no TCP store)"
-    return (lambda: dist.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
-                                  timeout=timedelta(seconds=timeout_s))), f"the job's store ({inner.host}:{inner.port})"
-
-
 class FailureDetector:
     """This rank's heartbeat and its watch over another rank (see the module's doc)."""
 
     def __init__(self, connect: Callable[[], dist.Store], store_name: str, run: str, rank: int, world_size: int,
                  ranks_per_node: int, timeout_s: float):
+        """``connect()`` makes a connection of the detector's own to the job's store."""
         self.rank, self.timeout_s, self.interval_s = rank, timeout_s, interval_s(timeout_s)
         self._world_size, self._ranks_per_node = world_size, ranks_per_node
         self._connect, self._store_name = connect, store_name
@@ -92,8 +89,9 @@ class FailureDetector:
         self._count: Optional[int] = None
         self._verdict: Optional[str] = None
         self._watched_host: Optional[str] = None
+        self._gone: Optional[str] = None  # why the store is gone for good, once a beat found that
         self._store.set(self._key + f"host/{rank}", socket.gethostname())
-        atexit.register(self.stop)
+        atexit.register(self._at_exit)
         for target, name in ((self._beat, "ftmem-heartbeat"), (self._judge, "ftmem-failure-judge")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
@@ -104,20 +102,34 @@ class FailureDetector:
         initialized); None where detection is off (``timeout_s`` None) or the job has one rank."""
         if timeout_s is None or world_size == 1:
             return None
-        connect, store_name = _connector(dist.distributed_c10d._get_default_store(), timeout_s)
-        return cls(connect, store_name, run, rank, world_size, ranks_per_node, timeout_s)
+        store = dist.distributed_c10d._get_default_store()
+        return cls(lambda: own_connection(store, timeout_s), store_name(store), run, rank, world_size, ranks_per_node,
+                   timeout_s)
 
     def stop(self) -> None:
-        """This rank leaves: no more beats, and its silence is no failure (at its engine's
-        close, at the interpreter's exit, at a preemption). A second call does nothing."""
+        """This rank leaves: no more beats, and its silence is no failure (the job finished, or
+        every rank was told to stop). A second call does nothing."""
         if self._stopped.is_set() or os.getpid() != self._pid:  # (a forked child exits with the parent's hooks)
             return
-        self._stopped.set()
-        atexit.unregister(self.stop)
+        self.fall_silent()
         try:
             self._store.add(self._counter(self.rank), _LEFT)
         except Exception as e:  # the store is gone: the others' detectors end them anyway
             log.debug("rank %d: could not say it left (%s)", self.rank, e)
+
+    def fall_silent(self) -> None:
+        """This rank is ending as a failure: no more beats nor judging, and its silence is
+        its watcher's to report."""
+        self._stopped.set()
+        atexit.unregister(self._at_exit)
+
+    def _at_exit(self) -> None:
+        """The interpreter exits without the engine's end having said how: leaving if it exits
+        cleanly, else a failure (:mod:`ftmem._common.exit_status`)."""
+        if exit_status.failure() is None:
+            self.stop()
+        else:
+            self.fall_silent()
 
     def _counter(self, rank: int) -> str:
         return self._key + f"alive/{rank}"
@@ -151,6 +163,9 @@ class FailureDetector:
         try:
             self._store = self._connect()
             return True
+        except StoreGone as e:
+            self._gone = str(e)
+            return False
         except Exception as e:
             log.debug("rank %d: no new connection to %s (%s)", self.rank, self._store_name, e)
             return False
@@ -176,6 +191,8 @@ class FailureDetector:
                 answered, moved, count, said = self._answered, self._moved, self._count, self._verdict
             if said is not None:
                 self._end(said)
+            if self._gone is not None:
+                self._end(self._gone)
             if now - answered > self.timeout_s:
                 if not self._store_answers():
                     self._end(f"{self._store_name} has not answered for {now - answered:.0f} s: the host that "

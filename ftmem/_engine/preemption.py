@@ -7,9 +7,18 @@ How a rank hears it. A Python signal handler runs in the main thread, between tw
 bytecodes; a main thread inside a collective of the training whose peers have stopped
 never gets there. So ftmem's handler only marks the signal as ftmem's, and what acts is a
 thread of ftmem's, woken by the byte the interpreter's C-level handler writes to the wakeup
-fd (:func:`signal.set_wakeup_fd`), whatever the main thread is doing. A signal that already
-has a handler when the engine starts (the script's, Megatron's ``--exit-signal-handler``) is
-left to it.
+fd (:func:`signal.set_wakeup_fd`), whatever the main thread is doing; the handler also wakes
+it itself, where an event loop took the wakeup fd over since. A signal that already has a
+handler when the engine starts (the script's, Megatron's ``--exit-signal-handler``) is left
+to it; one the application sets later holds the signal while it is set, and ftmem watches
+again once it is put back.
+
+Whose signal. A child the process forks (a ``multiprocessing`` worker, a DataLoader's) would
+inherit the handler and the wakeup socket, and a signal to the child would wake the
+parent's watch. So the signal is blocked in the thread that forks while it forks, and the
+child, before it unblocks it, takes back the handler the signal had before ftmem and lets go
+of the wakeup fd: a signal to the child does to it what it does without ftmem. A child
+started by ``exec`` (``subprocess``, the spawn and forkserver methods) inherits neither.
 
 A preemption or a teardown. torchrun also sends SIGTERM to a node's ranks when one of them
 failed, and every node's agent then stops its ranks to restart the job: memory still holds
@@ -35,16 +44,15 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ftmem._common.job_store import served_here, until_counted
+from ftmem._common.agreement import READ_WAIT_S, Decision
 from ftmem._common.logs import flush_logs, rank_info, rank_warning
 from ftmem.config import PreemptionConfig
 
-ARRIVED_KEY = "ftmem/preemption/arrived"  # on the job's store: how many ranks were told to stop
-DECIDED_KEY = "ftmem/preemption/decided"  # on the job's store: "go" (flush), or why this is no preemption
-READ_KEY = "ftmem/preemption/read"  # on the job's store: how many ranks have read the decision
-_GO = b"go"
+# On the job's store, whose prefix is new at each of torchrun's restarts: the ranks that were
+# told to stop, and the answer ("go": flush, or why this is no preemption).
+DECISION_PREFIX = "ftmem/preemption"
+_GO = "go"
 POLL_S = 0.05
-READ_WAIT_S = 2.0  # for the others to read the decision, where this process serves the store: they poll every POLL_S
 
 
 def arrival_s(grace_s: float) -> float:
@@ -54,14 +62,44 @@ def arrival_s(grace_s: float) -> float:
 
 
 def _noted(signum, frame) -> None:
-    """ftmem's handler, in the main thread: its watch thread acts on the signal. Without an
-    active watch (its engine closed), the signal does what it does without ftmem."""
-    if not any(w.signum == signum for w in _active):
+    """ftmem's handler, in the main thread: its watch thread acts on the signal (woken here
+    too, where the wakeup fd is no longer ftmem's). Without an active watch (its engine
+    closed), the signal does what it does without ftmem."""
+    watching = [w for w in _active if w.signum == signum]
+    for watch in watching:
+        watch.wake()
+    if not watching:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
 
 _active: list["PreemptionWatch"] = []
+_masks = threading.local()  # the forking thread's signal mask, while it forks
+
+
+def _before_fork() -> None:
+    signals = {w.signum for w in _active}
+    if signals:
+        _masks.before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+
+
+def _after_fork_in_parent() -> None:
+    before = getattr(_masks, "before", None)
+    if before is not None:
+        _masks.before = None
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _after_fork_in_child() -> None:
+    """The child takes back what the signals did before ftmem; a signal it got meanwhile,
+    blocked until now, then does that."""
+    for watch in _active:
+        watch.let_go()
+    _active.clear()
+    _after_fork_in_parent()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 class PreemptionWatch:
@@ -113,12 +151,23 @@ class PreemptionWatch:
         if self in _active:
             _active.remove(self)
         if threading.current_thread() is threading.main_thread():
-            if signal.getsignal(self.signum) is _noted:
-                signal.signal(self.signum, self._previous)
-            with_ours = signal.set_wakeup_fd(-1)
-            if with_ours not in (-1, self._writer.fileno()):
-                signal.set_wakeup_fd(with_ours)
+            self.let_go()
         self._writer.close()  # the watch thread reads the end of the stream and returns
+
+    def let_go(self) -> None:
+        """Give the signal its handler from before ftmem, and the wakeup fd up (main thread)."""
+        if signal.getsignal(self.signum) is _noted:
+            signal.signal(self.signum, self._previous)
+        with_ours = signal.set_wakeup_fd(-1)
+        if with_ours not in (-1, self._writer.fileno()):
+            signal.set_wakeup_fd(with_ours)
+
+    def wake(self) -> None:
+        """Wake the watch thread for the signal (ftmem's handler, in the main thread)."""
+        try:
+            self._writer.send(bytes([self.signum]))
+        except OSError:  # its buffer is full (woken already), or the watch ended
+            pass
 
     def _watch(self) -> None:
         while True:
@@ -128,19 +177,20 @@ class PreemptionWatch:
                 return
             if not data:
                 return
-            if self.signum in data and self in _active:
+            # A handler the application set since holds the signal: the watch goes on, for the
+            # time it puts ftmem's back.
+            if self.signum in data and self in _active and signal.getsignal(self.signum) is _noted:
                 return self._act()
 
     def _act(self) -> None:
         deadline = time.monotonic() + self.grace_s
-        if signal.getsignal(self.signum) is _noted:  # else a handler set since decides
-            worker = threading.Thread(target=self._on_signal, args=(self.signum, deadline),
-                                      name="ftmem-preemption-flush", daemon=True)
-            worker.start()
-            worker.join(max(0.0, deadline - time.monotonic()))
-            if worker.is_alive():
-                say_grace_ended(self.rank, self.grace_s)
-            end_process(self.signum)
+        worker = threading.Thread(target=self._on_signal, args=(self.signum, deadline),
+                                  name="ftmem-preemption-flush", daemon=True)
+        worker.start()
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            say_grace_ended(self.rank, self.grace_s)
+        end_process(self.signum)
 
 
 def say_grace_ended(rank: int, grace_s: float) -> None:
@@ -160,16 +210,17 @@ def end_process(signum: int) -> None:
     os._exit(128 + signum)
 
 
-def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]], wait_s: float) -> Optional[str]:
+def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]], wait_s: float,
+                   job_store: Optional[dist.Store]) -> Optional[str]:
     """None if every rank of the job was told to stop within ``wait_s`` (a preemption); else
     why this is none: ranks of this host dead (a teardown after a failure), or ranks that
-    were not told. Decided once, on the job's store (as :mod:`ftmem._engine.rendezvous` does):
-    every rank follows the first answer, so that no rank flushes while another has gone."""
+    were not told. Decided once, on ``job_store`` (:mod:`ftmem._common.agreement`): every rank
+    follows the first answer, so that no rank flushes while another has gone."""
     if world_size == 1:
         return None
-    store = dist.distributed_c10d._get_default_store()
+    decision = Decision(job_store, DECISION_PREFIX, rank, world_size, wait_s)
     end = time.monotonic() + wait_s
-    count = store.add(ARRIVED_KEY, 1)
+    count = decision.arrive()
     while True:
         dead = dead_here()
         if dead:
@@ -178,24 +229,16 @@ def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]
         if count >= world_size:
             why = None
             break
-        if store.check([DECIDED_KEY]) or time.monotonic() > end:
+        if decision.answered() or time.monotonic() > end:
             why = f"only {count} of the job's {world_size} ranks were told to stop within {wait_s:.1f} s"
             break
         time.sleep(POLL_S)
-        count = store.add(ARRIVED_KEY, 0)
-    decided = store.compare_set(DECIDED_KEY, b"", _GO if why is None else why.encode()).decode()
-    store.add(READ_KEY, 1)
-    if served_here(store):
-        _until_read(store, rank, world_size - len(dead))
-    return None if decided == _GO.decode() else decided
-
-
-def _until_read(store, rank: int, ranks: int) -> None:
-    """Until ``ranks`` ranks have read the decision, or READ_WAIT_S passed: this process
-    serves the job's store, which ends with it, and a rank that has not read the decision
-    by then hears only that the store is gone, not why this is no preemption."""
-    read = until_counted(store, READ_KEY, ranks, READ_WAIT_S)
-    if read < ranks:
+        count = decision.arrivals()
+    decided = decision.propose(_GO if why is None else why)
+    live = world_size - len(dead)
+    read = decision.read(live)
+    if decision.serves_the_store and read < live:
         rank_info(rank, "%d of the job's %d live ranks had not read the decision after %.0f s (not told to stop, "
                   "or dead on another host): the job's store, served by this process, ends with it all the "
-                  "same", ranks - read, ranks, READ_WAIT_S)
+                  "same", live - read, live, READ_WAIT_S)
+    return None if decided == _GO else decided

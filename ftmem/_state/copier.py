@@ -51,6 +51,18 @@ class CudaPinning:
             self._registered.discard(ptr)
 
 
+def taken_now(tensors: Sequence[torch.Tensor], written_in_forward: Optional[Callable[[torch.Tensor], bool]]) -> list:
+    """``tensors`` for the copy thread, those that ``written_in_forward`` names replaced by
+    copies taken now, on the caller's thread (and, on CUDA, its stream, which the next forward
+    runs on after them): the copy thread reads the others while the next forward runs, and a
+    tensor that forward writes in place (a BatchNorm's running statistics) would reach the
+    version with the next step's values beside this step's parameters."""
+    if written_in_forward is None:
+        return list(tensors)
+    with torch.no_grad():
+        return [t.detach().clone() if written_in_forward(t) else t for t in tensors]
+
+
 def capture_cuda_order(tensors: Sequence[torch.Tensor]) -> dict:
     """On the caller's thread: an event per device marking where the producing work ends."""
     events = {}

@@ -14,7 +14,8 @@ does the rest, the same way for DeepSpeed and Megatron:
 * ``wait_protected`` / ``wait_flushed``, which mean the same thing everywhere;
 * the end of the job (:meth:`finish`, also run when the process exits): memory is freed
   only when every rank ended cleanly and the newest version is on disk; otherwise it
-  stays for a restart, and the log says how to free it.
+  stays for a restart, and the log says how to free it. A rank ends cleanly unless it ends
+  with an uncaught exception or a non-zero ``sys.exit`` (:mod:`ftmem._common.exit_status`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ftmem._common import testhooks
+from ftmem._common import exit_status, testhooks
 from ftmem.config import FtmemConfig
 from ftmem._engine.commit import Lag
 from ftmem._engine.elastic import Adopted, OtherWorlds, adopt, ancestors, free_jobs
@@ -129,12 +130,13 @@ class AdapterRuntime:
             self._engine.persist_with(Flusher(persist_dir, persist_interval, persist_keep, format, self.rank,
                                              first_replica=peers.ranks[0] == self.rank,
                                              world_size=self._engine.identity.world_size,
-                                             interface=self._engine.network_interface))
+                                             interface=self._engine.network_interface, fsync=config.persist.fsync))
         elif config.preemption.signal is not None:
             job_info("no persistent tier: a preemption of the whole job (%s to every node, then its machines gone) "
                      "loses what memory holds; a persistent tier is flushed to at that signal (docs/operations.md, "
                      "\"Preemption\")", config.preemption.signal)
-        self._crashed = self._finished = False
+        self._finished = False
+        self._pid = os.getpid()  # a forked child inherits the runtime, not its end
         self._kept_newer: list[int] = []  # versions held newer than the one loaded by name (plan_resume's named)
         self._adopted: Optional[Adopted] = None  # another world's version this job resumed from, until freed
         # The old jobs this job's line descends from, which a resume of its own version frees
@@ -172,10 +174,11 @@ class AdapterRuntime:
 
     # -- save ---------------------------------------------------------------------------
     def save(self, state: dict, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
-             persist: bool = False) -> SaveHandle:
-        """Snapshot ``state`` with this rank's RNG (under ``"rng"``) as ``version``."""
+             persist: bool = False, written_in_forward: Optional[Callable[[torch.Tensor], bool]] = None) -> SaveHandle:
+        """Snapshot ``state`` with this rank's RNG (under ``"rng"``) as ``version``
+        (:meth:`ftmem.SnapshotEngine.save` says what ``replicated`` and ``written_in_forward`` name)."""
         self._handle = self._engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
-                                        persist=persist)
+                                        persist=persist, written_in_forward=written_in_forward)
         self._kept_newer = []  # the save dropped every version >= its own
         self._free_superseded_once_protected()  # once the protection thread protected a save of this job
         return self._handle
@@ -466,22 +469,27 @@ class AdapterRuntime:
         the job's memory is freed once that version is on disk (or the framework's own save
         of iteration ``on_disk`` is at least as new); else the memory stays for a restart
         of the same job, and rank 0 says how to free it."""
-        if self._finished:
+        self._end(exit_status.failure(), on_disk)
+
+    def _end(self, failure: Optional[str], on_disk: Optional[int] = None) -> None:
+        """:meth:`finish`, where this rank ends with ``failure`` (None: cleanly)."""
+        if self._finished or os.getpid() != self._pid:
             return
         self._finished = True
         _unfinished.discard(self)
         if on_disk is None and self._framework_on_disk is not None:
             on_disk = self._framework_on_disk()
-        problem = "this rank ended with an uncaught exception" if self._crashed else None
+        problem = f"it ended with {failure}" if failure is not None else None
         if problem is None:
             try:
                 self._engine.wait_flushed()
                 self._free_superseded_once_protected()
             except Exception as e:
                 problem = str(e)
-        # Every rank ended cleanly, or none does anything collective beyond this vote.
-        if not self._engine.every_rank_finished(problem is None):
-            return self._keep(problem or "a rank did not end cleanly")
+        # Every rank ended cleanly, or none does anything collective beyond this decision.
+        verdict = self._engine.end_of_job(problem)
+        if verdict is not None:
+            return self._keep(verdict)
         if self._kept_newer:
             return self._keep(f"it also holds version(s) {self._kept_newer}, newer than the version it loaded by name")
         flusher, newest = self._engine.flusher, self._engine.protected
@@ -551,15 +559,8 @@ _made = itertools.count()
 
 def _close_at_exit(runtime: AdapterRuntime) -> None:
     """Finish the job when the process exits, or when the script ends torch.distributed
-    first, telling a crash (an uncaught exception, whose snapshots must stay for the
-    restart) from an ordinary end."""
-    previous_hook = sys.excepthook
-
-    def note_crash(*exc_info):
-        runtime._crashed = True
-        previous_hook(*exc_info)
-
-    sys.excepthook = note_crash
+    first, telling a crash (whose snapshots must stay for the restart) from an ordinary end."""
+    exit_status.watch()
     atexit.register(runtime.finish)
     runtime._made = next(_made)
     _unfinished.add(runtime)
@@ -568,7 +569,7 @@ def _close_at_exit(runtime: AdapterRuntime) -> None:
 
 def _finish_before_the_process_group_ends() -> None:
     """Scripts end with ``destroy_process_group()``, as PyTorch asks, before the process
-    exits. That destroys ftmem's groups too, so the end of the job (the ranks' vote, the
+    exits. That destroys ftmem's groups too, so the end of the job (the ranks' decision, the
     flush, the free) could no longer run at exit and the memory was kept with a warning.
     Destroying the default group now runs that end first. An exception in flight there (a
     ``finally:`` after a failure) counts as a crash, as it would at exit."""
@@ -580,11 +581,13 @@ def _finish_before_the_process_group_ends() -> None:
     def destroy_process_group(group=None):
         try:
             if group is None or group is dist.GroupMember.WORLD:
-                failure = sys.exc_info()[1]
-                crashed = failure is not None and not (isinstance(failure, SystemExit) and failure.code in (0, None))
+                in_flight = sys.exc_info()[1]
+                failure = exit_status.failure()
+                if failure is None and in_flight is not None and not (isinstance(in_flight, SystemExit) and
+                                                                      in_flight.code in (0, None)):
+                    failure = f"an exception in flight ({type(in_flight).__name__}) as torch.distributed ended"
                 for runtime in sorted(_unfinished, key=lambda r: r._made):
-                    runtime._crashed = runtime._crashed or crashed
-                    runtime.finish()
+                    runtime._end(failure)
         finally:
             stock(group)
 

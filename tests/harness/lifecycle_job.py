@@ -1,12 +1,20 @@
 """A job on the adapter runtime (ftmem.adapter.AdapterRuntime) for the lifecycle tests: every
 rank saves a replicated tensor per step, protected, and ends the way ``--end`` says.
 
-    python -m tests.harness.lifecycle_job --out DIR --steps N --end {return,exit1,raise,close,hang} [--persist DIR]
-        [--persist-interval N] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
+    python -m tests.harness.lifecycle_job --out DIR --steps N --end WAY [--end-of-rank R=WAY ...] [--persist DIR]
+        [--persist-interval N] [--persist-keep N] [--persist-fsync {on,off}] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
         [--restore-into {rank-0,every-rank}] [--load-while-saving] [--other-worlds]
 
 ``--end close`` closes the runtime itself, keeping the memory, before it returns; ``--end
-hang`` waits, its last version protected, for the test to SIGKILL it. With
+hang`` waits in ``signal.pause()``, its last version protected, as a rank stuck in a collective
+that never fails by itself (NCCL's, whose peer died), until the test or its failure detector
+ends it. The other ways (:data:`ENDS`) exit with a status: ``exit0``, ``exit1``, ``exit3`` and
+``exit42`` call ``sys.exit(N)``, ``builtin-exit42`` calls the builtin ``exit(42)``, ``raise``
+raises an uncaught exception, and ``thread-exit3``
+calls ``sys.exit(3)`` in a thread of its own (which ends that thread only) and returns.
+``--end-of-rank R=WAY`` ends rank R that way instead of ``--end``'s; with ``--end-after PATH``
+such a rank first waits for PATH to exist (the test makes it once the other ranks are where it
+wants them: in their pause, say). With
 ``--destroys-group`` the script ends torch.distributed itself, in a ``finally:``, as
 PyTorch asks scripts to; else an exit hook does it after ftmem's end. ``--runtimes N``
 runs N jobs side by side in each process (as a script with several DeepSpeed engines
@@ -25,6 +33,7 @@ import atexit
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -44,11 +53,22 @@ class TensorFiles(FrameworkFormat):
         return f"v{version}"
 
     def write_rank(self, state, directory, rank, first_replica, wrote):
-        save_atomically(state["w"], os.path.join(directory, f"rank{rank}.pt"))
-        wrote(state["w"].numel() * 4)
+        path = os.path.join(directory, f"rank{rank}.pt")
+        save_atomically(state["w"], path)
+        wrote(path)
 
     def publish(self, root, name):
         write_atomically(os.path.join(root, "newest"), name.encode())
+
+
+ENDS = ("return", "exit0", "exit1", "exit3", "exit42", "builtin-exit42", "raise", "close", "hang", "thread-exit3")
+
+
+def end_of_rank(value: str) -> tuple[int, str]:
+    rank, _, way = value.partition("=")
+    if not rank.isdigit() or way not in ENDS:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected R=WAY, WAY one of {', '.join(ENDS)}")
+    return int(rank), way
 
 
 def threads() -> int:
@@ -66,9 +86,15 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--elements", type=int, default=1000, help="of the one tensor each step saves")
-    p.add_argument("--end", choices=("return", "exit1", "raise", "close", "hang"), default="return")
+    p.add_argument("--end", choices=ENDS, default="return")
+    p.add_argument("--end-of-rank", action="append", default=[], type=end_of_rank, metavar="R=WAY",
+                   help="rank R ends this way instead of --end's (repeatable)")
+    p.add_argument("--end-after", default=None,
+                   help="a rank named by --end-of-rank ends only once this file exists (at most 10 minutes)")
     p.add_argument("--persist", default=None)
     p.add_argument("--persist-interval", type=int, default=1)
+    p.add_argument("--persist-fsync", choices=("on", "off"), default="on", help='the tier\'s "fsync" key')
+    p.add_argument("--persist-keep", type=int, default=None, help="checkpoints the tier keeps (default: all)")
     p.add_argument("--destroys-group", action="store_true")
     p.add_argument("--load-version", type=int, default=None,
                    help="resume from this version, named (AdapterRuntime.plan_resume's named), not the newest")
@@ -93,9 +119,10 @@ def main() -> None:
 def train(args, world: int) -> None:
     one_node = args.ranks_per_node == world
     config = FtmemConfig.from_dict({"ranks_per_node": args.ranks_per_node, "ec": {"k": 1, "m": 0 if one_node else 1},
-                                    "shm_dir": os.environ["SHM_DIR"]})
+                                    "shm_dir": os.environ["SHM_DIR"], "persist": {"fsync": args.persist_fsync == "on"}})
     runtime = AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(), save_dir=args.out,
-                             persist_dir=args.persist, persist_interval=args.persist_interval if args.persist else 0)
+                             persist_dir=args.persist, persist_interval=args.persist_interval if args.persist else 0,
+                             persist_keep=args.persist_keep)
     others = [AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(),
                              save_dir=os.path.join(args.out, f"runtime{i}")) for i in range(1, args.runtimes)]
     # Where this rank reads the persistent tier's newest checkpoint: DISK_VIEW, a copy of
@@ -138,14 +165,32 @@ def train(args, world: int) -> None:
     print(f"rank {dist.get_rank()}: trained to step {args.steps}", flush=True)
     if args.load_while_saving:
         load_while_saving(runtime)
-    if args.end == "exit1":
-        sys.exit(1)
-    if args.end == "raise":
+    own = dict(args.end_of_rank).get(dist.get_rank())
+    if own is not None and args.end_after:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(args.end_after) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    end(own or args.end, runtime)
+
+
+def end(way: str, runtime: AdapterRuntime) -> None:
+    rank = dist.get_rank()
+    print(f"rank {rank}: ends with {way}", flush=True)
+    if way.startswith("exit"):
+        sys.exit(int(way[len("exit"):]))
+    if way == "builtin-exit42":
+        exit(42)  # site's Quitter, as a script typed at a prompt calls it
+    if way == "raise":
         raise RuntimeError("the training script failed")
-    if args.end == "close":
+    if way == "close":
         runtime.close(job_finished=False)
-    if args.end == "hang":
+    if way == "hang":
         signal.pause()
+    if way == "thread-exit3":
+        thread = threading.Thread(target=sys.exit, args=(3,), name="exits-by-itself")
+        thread.start()
+        thread.join()
+        print(f"rank {rank}: a thread of its own called sys.exit(3) and ended", flush=True)
 
 
 def load_while_saving(runtime: AdapterRuntime) -> None:

@@ -258,7 +258,7 @@ def test_a_failure_that_ends_torch_distributed_in_a_finally_keeps_the_newest_ver
     ended = run(shm_dir, tmp_path, "--steps", "2", "--end", "raise", "--destroys-group", job=job)
     assert ended.wait(TIMEOUT) == [1, 1] and leaves_no_ftmem_thread(ended), ended.log(1)
     assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
-    assert "this rank ended with an uncaught exception" in ended.log(0) + ended.log(1)
+    assert "it ended with an exception in flight (RuntimeError)" in ended.log(0) + ended.log(1)
 
 
 def test_a_rank_killed_in_the_teardown_keeps_every_node_s_memory(shm_dir, tmp_path):

@@ -62,18 +62,18 @@ TEARDOWN = textwrap.dedent("""
     import os, sys, time
     from datetime import timedelta
     import torch.distributed as dist
-    from ftmem._engine.preemption import DECIDED_KEY, whole_job_told
+    from ftmem._engine.preemption import DECISION_PREFIX, whole_job_told
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=60))
     if rank == 1:  # the failure a teardown follows
         os._exit(0)
     def dead_here():
         if rank == 2:  # a rank that reads /dev/shm slower than rank 0 on a crowded node: after its decision
-            while not dist.distributed_c10d._get_default_store().check([DECIDED_KEY]):
+            while not dist.distributed_c10d._get_default_store().check([DECISION_PREFIX + "/answer"]):
                 time.sleep(0.01)
             time.sleep(0.3)
         return [1]
-    print("decided:", whole_job_told(rank, 3, dead_here, 10.0), flush=True)
+    print("decided:", whole_job_told(rank, 3, dead_here, 10.0, dist.distributed_c10d._get_default_store()), flush=True)
     os._exit(0)  # as the engine ends the process: rank 0's ends the store with it
 """)
 
