@@ -11,7 +11,9 @@ written, so ``load_checkpoint``'s ``latest``/glob/exists checks keep working; it
 ``load`` calls are then served from the restored snapshot. A stub also carries its
 file's tensor-free top-level entries (``mp_world_size``, ``global_steps``, ...):
 DeepSpeed reads those from files that other ranks hold (the pipeline engine checks
-the first stage's model-states file on every stage), never their tensors.
+the first stage's model-states file on every stage), never their tensors. What the next
+forward may write before the step (the module's buffers, the client state) is copied during
+the save call, the rest in the background (:func:`_written_in_forward`).
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self.runtime: Optional[AdapterRuntime] = None
         self._files: dict[str, Any] = {}
         self._replicated: set[int] = set()
+        self._written_in_forward: set[int] = set()
         self._loads: Optional[DeepSpeedLoads] = None  # the load side, once the runtime started
         self._dir: Optional[str] = None  # the save dir: the job's origin
         self._pid = os.getpid()
@@ -93,13 +96,14 @@ class FtmemCheckpointEngine(CheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         # The runtime starts at commit: only then is it known whether this is a checkpoint
         # (whose save dir is the job's origin) or an export to some other directory.
-        self._files, self._replicated = {}, set()
+        self._files, self._replicated, self._written_in_forward = {}, set(), set()
 
     def makedirs(self, path, exist_ok=False) -> None:
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict, path: str) -> None:
         self._files[path] = state_dict
+        self._written_in_forward |= {id(t) for t in _written_in_forward(state_dict)}
         if self._holds_replicated_module(state_dict):
             # Module weights (and, without ZeRO, the optimizer) are the same on every DP
             # replica: each replica keeps only its slice of them. Buffers are not: DeepSpeed
@@ -119,8 +123,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
         (``save_16bit_model``: one file on rank 0, nothing on the others), and a save into
         a directory other than the job's save dir (its versions are numbered by global
         step: a snapshot of the same step would replace the one the save dir's stubs name)."""
-        files, replicated = self._files, self._replicated
-        self._files, self._replicated = {}, set()
+        files, replicated, written_in_forward = self._files, self._replicated, self._written_in_forward
+        self._files, self._replicated, self._written_in_forward = {}, set(), set()
         self.loaded()  # files served by path are of the versions before this one
         elsewhere = self._dir is not None and os.path.realpath(info.save_dir) != os.path.realpath(self._dir)
         if not _global_steps(files) or elsewhere:
@@ -143,7 +147,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
             metadata = {k: v for k, v in state_dict.items() if not tensors(v)} if isinstance(state_dict, dict) else {}
             write_stub(path, file_key(path), saved, metadata, (identity.world_size, identity.ranks_per_node))
         runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()}, "tag": info.tag},
-                     version, replicated=lambda t: id(t) in replicated)
+                     version, replicated=lambda t: id(t) in replicated,
+                     written_in_forward=lambda t: id(t) in written_in_forward)
         return True
 
     def load(self, path: str, map_location=None):
@@ -225,6 +230,21 @@ class FtmemCheckpointEngine(CheckpointEngine):
         by path, which their reader may have kept."""
         if self._loads is not None:
             self._loads.end()
+
+
+def _written_in_forward(state_dict) -> list:
+    """The tensors of a file DeepSpeed hands its engine that the next forward may write in place
+    before the optimizer step: in a model-states file, all but the module's parameters and the
+    optimizer's state (which only the step writes): the module's buffers (a BatchNorm's running
+    statistics), the client state, the scheduler's. The ZeRO partitions are the optimizer's;
+    a pipeline layer's file is a copy DeepSpeed made already."""
+    if not isinstance(state_dict, dict) or "module" not in state_dict:
+        return []
+    buffers = set(state_dict.get("buffer_names") or ())
+    module = state_dict.get("module") or {}
+    kept_for_the_step = {id(t) for name, value in module.items() if name not in buffers for t in tensors(value)}
+    kept_for_the_step |= {id(t) for t in tensors(state_dict.get("optimizer"))}
+    return [t for t in tensors(state_dict) if id(t) not in kept_for_the_step]
 
 
 def _global_steps(files: dict) -> set:

@@ -47,9 +47,10 @@ COMPATIBILITY_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_atten
 PROGRESS_SHAPING_ARGS = ("micro_batch_size", "global_batch_size")
 # Megatron-LM's training progress, kept in args; its data loaders start from it.
 PROGRESS_ARGS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
-# Settings under which something the snapshot copies is written before the next
-# optimizer step (parameters gathered in the next forward, the router's expert bias
-# updated with the gradients): the copy must then finish before save returns.
+# Settings under which parameters the snapshot copies are written before the next optimizer
+# step (gathered in the next forward, the router's expert bias updated with the gradients):
+# the whole copy must then finish before save returns. (Buffers are copied during the save
+# call in any case.)
 WRITES_BEFORE_STEP = ("overlap_param_gather", "moe_router_enable_expert_bias", "reuse_grad_buf_for_mxfp8_param_ag")
 # The distributed optimizer's format that keeps each DP rank's own shard as it is, with
 # no gathering across ranks (its default, fully_sharded_model_space, is refused by
@@ -218,7 +219,11 @@ class MegatronCheckpointer:
                 # After "sharded": its tensors are the same ones, stored once, with the flags above.
                 "torch_format": torch_format(unwrap_model(model), optimizer, args, persistent),
             }
-            handle = self.runtime.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent)
+            # The next forward may write the modules' buffers in place before the step (the
+            # router's token counts, normalization statistics): copied during this call.
+            buffers = {b.untyped_storage().data_ptr() for chunk in unwrap_model(model) for b in chunk.buffers()}
+            handle = self.runtime.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent,
+                                       written_in_forward=lambda t: t.untyped_storage().data_ptr() in buffers)
         if any(getattr(args, name, False) for name in WRITES_BEFORE_STEP):
             self.runtime.wait_reusable()
         return handle

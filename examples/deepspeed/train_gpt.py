@@ -21,8 +21,9 @@ does not know which engine serves them. ``--out`` gets per-rank losses and final
 weights (for bitwise comparisons); ``--stop-after N`` waits, once step N's snapshot
 is protected (and flushed, with ``"persist"``), to be killed (for the crash tests);
 ``--reload-after N`` loads the newest checkpoint again after step N's save, mid-run;
-``--load --tag TAG`` loads the checkpoint of that tag, not the newest.
-"""
+``--load --tag TAG`` loads the checkpoint of that tag, not the newest; ``--note-steps`` prints
+a line between each step's backward and its optimizer step (for tests that hold a snapshot's
+copy while the next step's forward runs)."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, default=GPTConfig.dropout)
     p.add_argument("--batch-norm", action="store_true",
                    help="a BatchNorm before the head (running statistics that differ across DP replicas)")
+    p.add_argument("--note-steps", action="store_true",
+                   help="print 'rank R: step S backward done' between a step's backward and its optimizer step (for "
+                        "tests that hold a snapshot's copy while the next step's forward runs)")
     p.add_argument("--ftmem", default=None, help='JSON merged into the config\'s "ftmem" section')
     p.add_argument("--checkpoint-engine", choices=("ftmem", "default"), default="ftmem",
                    help="ftmem (default): import ftmem_deepspeed and save with the engine the config selects; "
@@ -162,6 +166,8 @@ def main(argv=None) -> None:
             x, y = (t.to(engine.device) for t in batch(cfg, step, replica, micro))
             loss = engine(x, y)
             engine.backward(loss)
+            if args.note_steps:
+                print(f"rank {rank}: step {step} backward done", flush=True)
             engine.step()
         if losses:
             losses.write(json.dumps({"it": step, "loss": loss.item()}) + "\n")
