@@ -9,7 +9,6 @@ those files), which a restart from disk needs to continue bitwise.
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import deepspeed
@@ -45,13 +44,14 @@ class DeepSpeedFormat(FrameworkFormat):
                 continue  # written once, by the first replica
             path = os.path.join(directory, file_name)
             save_atomically(content, path)
-            wrote(os.path.getsize(path))
+            wrote(path)
 
     def publish(self, root: str, name: str) -> None:
         """Point DeepSpeed at ``<root>/<name>``: ``latest``, and the recovery scripts beside it."""
         scripts = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
-        for script in RECOVERY_SCRIPTS:
-            shutil.copyfile(os.path.join(scripts, script), os.path.join(root, script))  # where DeepSpeed puts them
+        for script in RECOVERY_SCRIPTS:  # where DeepSpeed puts them
+            with open(os.path.join(scripts, script), "rb") as f:
+                write_atomically(os.path.join(root, script), f.read())
         write_atomically(os.path.join(root, "latest"), name.encode())
 
     def read_rng(self, directory: str, rank: int):

@@ -30,10 +30,12 @@ FTMEM_FLAGS = (
     ("--ftmem-preemption-grace-s", "ftmem_preemption_grace_s", "preemption.grace_s"),
     ("--ftmem-failure-detection", "ftmem_failure_detection", "failure_detection.enabled"),
     ("--ftmem-failure-detection-timeout-s", "ftmem_failure_detection_timeout_s", "failure_detection.timeout_s"),
+    ("--ftmem-persist-fsync", "ftmem_persist_fsync", "persist.fsync"),
 )
 
 # The words a flag takes where the config takes null or a boolean.
-FLAG_WORDS = {"preemption.signal": {"none": None}, "failure_detection.enabled": {"on": True, "off": False}}
+FLAG_WORDS = {"preemption.signal": {"none": None}, "failure_detection.enabled": {"on": True, "off": False},
+              "persist.fsync": {"on": True, "off": False}}
 
 
 def add_ftmem_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -75,6 +77,10 @@ def add_ftmem_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--ftmem-failure-detection-timeout-s", type=int, default=None,
                        help=f"seconds without a heartbeat after which a rank counts as lost (default: "
                             f"FTMEM_FAILURE_TIMEOUT_S, else {FAILURE_TIMEOUT_S})")
+    group.add_argument("--ftmem-persist-fsync", choices=("on", "off"), default=None,
+                       help="the persistent checkpoints ftmem writes to --save are on the disk (fsync) before they "
+                            "are published and older ones deleted (default: on; off where that is pointless, a RAM "
+                            "disk)")
     group.add_argument("--ftmem-allow-disk-fallback", action="store_true",
                        help="when memory holds a version this job cannot use (another parallel layout or model), "
                             "load the persistent checkpoint from --load instead of stopping with the reason")

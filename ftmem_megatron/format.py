@@ -64,7 +64,7 @@ def torch_format(model: list, optimizer, args, persistent: bool) -> Optional[dic
     return content
 
 
-def write_model_optim_rng(state: Any, directory: str, wrote: Callable[[int], None]) -> None:
+def write_model_optim_rng(state: Any, directory: str, wrote: Callable[[str], None]) -> None:
     """Write a snapshot's ``model_optim_rng.pt`` under the iteration directory ``directory``.
     ``state["torch_format"]`` must hold ``rng_state`` (:func:`~ftmem_megatron.torch_checkpoint.rng_state`)."""
     carried = state["torch_format"]
@@ -77,7 +77,7 @@ def write_model_optim_rng(state: Any, directory: str, wrote: Callable[[int], Non
     path = os.path.join(directory, carried["rank_dir"], MODEL_FILENAME)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_atomically(content, path)
-    wrote(os.path.getsize(path))
+    wrote(path)
 
 
 class MegatronFormat(FrameworkFormat):

@@ -24,6 +24,8 @@ import random
 import numpy as np
 import torch
 
+from ftmem.adapter import write_atomically
+
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"  # what the tracker holds for a release checkpoint (iteration 0)
@@ -112,10 +114,7 @@ def checkpoint_content(args, iteration: int, model_entries: dict, optimizer_stat
 
 def write_tracker(root: str, iteration: int) -> None:
     """Point ``latest_checkpointed_iteration.txt`` at ``iteration`` (atomically: the last step of a save)."""
-    tracker = os.path.join(root, TRACKER_FILENAME)
-    with open(tracker + ".tmp", "w") as f:
-        f.write(str(iteration))
-    os.replace(tracker + ".tmp", tracker)
+    write_atomically(os.path.join(root, TRACKER_FILENAME), str(iteration).encode())
 
 
 def read_tracker(root: str) -> int | str | None:

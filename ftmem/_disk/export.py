@@ -29,6 +29,7 @@ from typing import Any, Optional, TextIO
 
 from ftmem._shm.held import HeldJob
 from ftmem.errors import CorruptShard, FtmemError
+from ftmem._disk.durable import Written
 from ftmem._disk.format import FrameworkFormat, format_named
 from ftmem._disk.persist import make_staging, publish
 from ftmem._state.serialize import join_state
@@ -115,9 +116,10 @@ def export(shm_dir: str, job: str, out: str, version: Optional[int] = None,
         raise FtmemError(f"cannot write into --out {out!r} ({e.strerror or e}): name a directory this user can "
                          f"write (it is created if missing).") from e
     started = time.monotonic()
+    written = Written(os.path.join(out, staging), lambda nbytes: progress.add(written=nbytes))
     try:
-        names = {writer.write_group(group, read_state, os.path.join(out, staging), lambda n: progress.add(written=n))
-                 for group in first.layout.dp_groups}
+        names = {writer.write_group(group, read_state, written.staging, written) for group in first.layout.dp_groups}
+        written.sync()
     finally:
         progress.end()
     name, = names

@@ -28,8 +28,9 @@ from ftmem.errors import FtmemError
 
 ENTRY_POINT_GROUP = "ftmem.formats"
 
-# Called with the bytes of each file written, for progress and throughput reports.
-Wrote = Callable[[int], None]
+# Called with the path of each file written, once it is whole: for progress and throughput
+# reports, and so that the persistent tier can sync it before it publishes the checkpoint.
+Wrote = Callable[[str], None]
 
 
 class FrameworkFormat:

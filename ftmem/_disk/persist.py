@@ -7,11 +7,12 @@ private, whole copy of the version (the DP-sharded replicated state gathered bac
 the replicas), so a flush never holds a slot that a newer save needs. If a flush is
 still running on any rank when the next one is due, that version is skipped and
 logged: flushes never queue. A flush writes this rank's files through the adapter's
-:class:`~ftmem._disk.format.FrameworkFormat` into ``<dir>/.<name>.tmp``; once every rank has written its part
-(an all-reduce on the flusher's own gloo group), rank 0 renames it to ``<dir>/<name>``,
-updates the framework's pointer (DeepSpeed's ``latest``, Megatron's
-``latest_checkpointed_iteration.txt``) and deletes the oldest flushes beyond ``keep``.
-A crash before the rename leaves the previous checkpoint the newest valid one.
+:class:`~ftmem._disk.format.FrameworkFormat` into ``<dir>/.<name>.tmp`` and syncs them; once
+every rank has written its part (an all-reduce on the flusher's own gloo group), rank 0
+renames it to ``<dir>/<name>``, updates the framework's pointer (DeepSpeed's ``latest``,
+Megatron's ``latest_checkpointed_iteration.txt``) and the manifest, and only then deletes the
+oldest flushes beyond ``keep``, each step durable before the next (:mod:`ftmem._disk.durable`).
+A crash, or a power loss, before the rename leaves the previous checkpoint the newest valid one.
 
 The flushing runs in a thread of each training process rather than in the SMP:
 writing a DP replica's files needs the replicated state the other replicas hold, and
@@ -32,11 +33,13 @@ import torch
 from ftmem._common import testhooks
 from ftmem._common.collective import first_problem, new_group
 from ftmem.errors import ConfigError, FtmemError
+from ftmem._disk.durable import Written
 from ftmem._disk.format import FrameworkFormat
 from ftmem._common.logs import job_info, rank_error, rank_info
 from ftmem._common.parallel import destroy_groups
 from ftmem._state.tree import tensors
 from ftmem._shm.private import writing_temporary
+from ftmem._shm.private import sync
 from ftmem._shm.slots import write_atomically
 
 MANIFEST = "ftmem_flushed.json"  # what this tier completed, oldest first: [{"name", "version"}]
@@ -125,15 +128,18 @@ class Flusher:
     """One rank's side of the persistent tier. Construction is collective (a gloo group)."""
 
     def __init__(self, root: str, interval: int, keep: Optional[int], format: FrameworkFormat, rank: int,
-                 first_replica: bool, world_size: int, interface: Optional[str]):
+                 first_replica: bool, world_size: int, interface: Optional[str], fsync: bool = True):
         """``first_replica``: this rank writes the files its DP replicas hold alike. ``interface``:
-        the network the tier's group takes, the engine's (``SnapshotEngine.network_interface``)."""
+        the network the tier's group takes, the engine's (``SnapshotEngine.network_interface``).
+        ``fsync``: each flush is durable before it is published (:mod:`ftmem._disk.durable`)."""
         self.root, self.interval, self.keep, self.format, self.rank = root, interval, keep, format, rank
+        self.fsync = fsync
         self.first_replica = first_replica
         self._group = new_group(interface=interface) if world_size > 1 else None
         self._protected = 0
         self._thread: Optional[threading.Thread] = None
         self.last_flush: Optional[tuple[int, float]] = None  # (bytes this rank wrote, seconds), for benchmarks
+        self.last_sync_s: Optional[float] = None  # of the last flush, the seconds its fsyncs took on this rank
         self.flushed_version: Optional[int] = None  # the newest version this job wrote to disk
         self._failure: Optional[str] = None  # why the last flush failed, until one succeeds
         check_writable(root)
@@ -177,19 +183,18 @@ class Flusher:
         agreed on, so that the ranks run the same collectives and reach the same verdict."""
         name = self.format.checkpoint_name(version, state)
         staging = os.path.join(self.root, f".{name}.tmp")
-        written, started = 0, time.monotonic()
-        reported = started
+        started = reported = time.monotonic()
 
-        def wrote(nbytes: int) -> None:
-            nonlocal written, reported
-            written += nbytes
+        def progress(nbytes: int) -> None:
+            nonlocal reported
             testhooks.at("mid_flush", self.rank, version)
             now = time.monotonic()
             if now - reported >= PROGRESS_EVERY_S:
                 reported = now
-                rank_info(self.rank, "flushing version %d: %.1f MiB written, %.2f GB/s", version, written / 2**20,
-                          written / (now - started) / 1e9)
+                rank_info(self.rank, "flushing version %d: %.1f MiB written, %.2f GB/s", version,
+                          written.nbytes / 2**20, written.nbytes / (now - started) / 1e9)
 
+        written, sync_s = Written(staging, progress), 0.0
         problem = None
         if self.rank == 0:  # staging made once, and marked as ftmem's, before any rank writes into it
             try:
@@ -202,14 +207,16 @@ class Flusher:
         if problem is None:
             try:
                 os.makedirs(staging, exist_ok=True)  # where the persist dir is not one file system for all nodes
-                self.format.write_rank(state, staging, self.rank, self.first_replica, wrote)
+                self.format.write_rank(state, staging, self.rank, self.first_replica, written)
+                sync_s = written.sync() if self.fsync else 0.0
             except Exception as e:  # a disk problem must not kill training: memory still protects it
                 problem = f"rank {self.rank}: {write_problem(e, staging, sum(t.nbytes for t in tensors(state)))}"
                 rank_error(self.rank, "could not flush version %d to %s: %s", version, staging, problem)
         problem = self._first_problem(problem)
         if problem is None and self.rank == 0:
             try:
-                publish(self.root, os.path.basename(staging), name, version, self.format.publish, self.keep)
+                publish(self.root, os.path.basename(staging), name, version, self.format.publish, self.keep,
+                        durable=self.fsync)
             except Exception as e:
                 problem = f"rank 0 could not publish it: {write_problem(e, self.root, 0)}"
                 rank_error(self.rank, "could not publish version %d in %s: %s", version, self.root, problem)
@@ -219,9 +226,12 @@ class Flusher:
                 shutil.rmtree(staging, ignore_errors=True)  # every rank is done with it
             return self._record_failure(version, problem)
         seconds = time.monotonic() - started
-        self.last_flush, self.flushed_version, self._failure = (written, seconds), version, None
-        rank_info(self.rank, "flushed version %d to %s: %.1f MiB in %.2f s (%.2f GB/s)", version,
-                  os.path.join(self.root, name), written / 2**20, seconds, written / max(seconds, 1e-9) / 1e9)
+        self.last_flush, self.flushed_version, self._failure = (written.nbytes, seconds), version, None
+        self.last_sync_s = sync_s
+        synced = f", {sync_s:.2f} s of it syncing to the disk" if self.fsync else " (not synced: \"fsync\": false)"
+        rank_info(self.rank, "flushed version %d to %s: %.1f MiB in %.2f s (%.2f GB/s)%s", version,
+                  os.path.join(self.root, name), written.nbytes / 2**20, seconds,
+                  written.nbytes / max(seconds, 1e-9) / 1e9, synced)
 
     def _first_problem(self, problem: Optional[str]) -> Optional[str]:
         """The first problem any rank of the tier has, on every rank (collective)."""
@@ -244,7 +254,7 @@ def make_staging(path: str) -> None:
     """Make the directory a checkpoint is written into before :func:`publish` (and its
     parents), marked as ftmem's: a leftover of it is removed by the next flush."""
     os.makedirs(path)
-    write_atomically(os.path.join(path, STAGING_MARK), b"")
+    write_atomically(os.path.join(path, STAGING_MARK), b"", durable=False)  # (a mark lost leaves a leftover, no harm)
 
 
 def _remove_leftovers(root: str) -> None:
@@ -259,10 +269,12 @@ def _remove_leftovers(root: str) -> None:
 
 
 def publish(root: str, staging: str, name: str, version: int, point_at: Callable[[str, str], None],
-            keep: Optional[int]) -> None:
+            keep: Optional[int], durable: bool = True) -> None:
     """Make the complete directory ``<root>/<staging>`` the checkpoint ``<root>/<name>``:
     rename it, point the framework at it (``point_at(root, name)``), record it in the
-    manifest and delete the oldest beyond ``keep`` (None: keep all)."""
+    manifest and delete the oldest beyond ``keep`` (None: keep all). ``durable``: each step
+    is on the disk before the next one (:mod:`ftmem._disk.durable`; the staging directory's
+    files were synced already)."""
     final = os.path.join(root, name)
     if os.path.isdir(final):  # the same version written again (a restarted job): the new one wins
         aside = os.path.join(root, f".{name}.old")
@@ -273,11 +285,13 @@ def publish(root: str, staging: str, name: str, version: int, point_at: Callable
     else:
         os.rename(os.path.join(root, staging), final)
     os.unlink(os.path.join(final, STAGING_MARK))
+    if durable:
+        sync(root)
     point_at(root, name)
     done = [c for c in flushed(root) if c["name"] != name] + [{"name": name, "version": version}]
     retired, kept = (done[:-keep], done[-keep:]) if keep else ([], done)
     # The manifest first: a kill in between must leave it naming directories that exist
     # (a restart that memory cannot serve loads its newest entry), at worst a stale one on disk.
-    write_atomically(os.path.join(root, MANIFEST), json.dumps(kept).encode())
+    write_atomically(os.path.join(root, MANIFEST), json.dumps(kept).encode(), durable=durable)
     for old in retired:
         shutil.rmtree(os.path.join(root, old["name"]), ignore_errors=True)

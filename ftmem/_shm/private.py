@@ -17,7 +17,7 @@ import contextlib
 import os
 import pwd
 import stat
-from typing import Iterator
+from typing import Iterator, Optional
 
 from ftmem.errors import UnsafeSharedMemory
 
@@ -89,11 +89,15 @@ def write_new(path: str, data: bytes) -> None:
         f.write(data)
 
 
-def write_atomically(path: str, data: bytes, private: bool = False) -> None:
+def write_atomically(path: str, data: bytes, private: bool = False, durable: Optional[bool] = None) -> None:
     """Replace ``path`` by a file holding ``data``: readers see the old or the new bytes,
     never part of them. A symbolic link at ``path`` is replaced, not followed. The file
     is 0600 if ``private`` (shared memory), else as the umask makes it (a checkpoint on
-    disk, which other users of the cluster may be meant to read)."""
+    disk, which other users of the cluster may be meant to read). A ``durable`` write (a
+    file on disk, by default) survives a power loss once this returns: its bytes are synced
+    before the rename and its directory after, or a machine that loses power could keep the
+    new name over an empty file."""
+    durable = not private if durable is None else durable
     tmp = f"{path}.tmp.{os.getpid()}"
     unlink_if_present(tmp)  # left by a killed process whose pid this one reuses
     with writing_temporary(tmp):
@@ -103,7 +107,22 @@ def write_atomically(path: str, data: bytes, private: bool = False) -> None:
             with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666),
                            "wb") as f:
                 f.write(data)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
     os.replace(tmp, path)
+    if durable:
+        sync(os.path.dirname(path) or ".")
+
+
+def sync(path: str) -> None:
+    """fsync a file, or a directory (its entries: the names of what was made, renamed or
+    removed in it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
