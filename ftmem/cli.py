@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import decimal
 import json
-import math
 import os
 import pkgutil
 import re
@@ -23,7 +22,7 @@ from typing import Optional
 
 from ftmem._shm import jobs
 from ftmem._ec import capacity, survival
-from ftmem.config import DP_SHARD_CHOICES, SHM_DIR_ADVICE, shm_dir_problem
+from ftmem.config import DP_SHARD_CHOICES, MAX_COUNT, MAX_EC_NODES, SHM_DIR_ADVICE, shm_dir_problem
 from ftmem.errors import ConfigError, FtmemError
 from ftmem._common.identity import check_job_id, job_root
 from ftmem._common.units import fmt_bytes
@@ -48,17 +47,24 @@ def _number(text: str, kind: type, what: str, ok) -> float:
     return value
 
 
-# Types of flags, for the parsers of the command and of its tools.
+# Types of flags, for the parsers of the command and of its tools. Every number has a range:
+# a value past it is a typo, and would reach code that takes it as a size or a time.
 def positive_int(text: str) -> int:
-    return _number(text, int, "a positive integer", lambda v: v >= 1)
+    return _number(text, int, f"an integer from 1 to {MAX_COUNT:,}", lambda v: 1 <= v <= MAX_COUNT)
 
 
 def non_negative_int(text: str) -> int:
-    return _number(text, int, "an integer >= 0", lambda v: v >= 0)
+    return _number(text, int, f"an integer from 0 to {MAX_COUNT:,}", lambda v: 0 <= v <= MAX_COUNT)
 
 
-def positive_float(text: str) -> float:
-    return _number(text, float, "a positive number", lambda v: 0 < v < math.inf)
+def int_in(low: int, high: int):
+    """The type of a flag that takes an integer from ``low`` to ``high``."""
+    return lambda text: _number(text, int, f"an integer from {low:,} to {high:,}", lambda v: low <= v <= high)
+
+
+def number_in(low: float, high: float):
+    """The type of a flag that takes a number from ``low`` to ``high``."""
+    return lambda text: _number(text, float, f"a number from {low:g} to {high:g}", lambda v: low <= v <= high)
 
 
 # A parameter count: a number, in e-notation or with a K, M, B or T suffix ("70B", "7e9", "350M").
@@ -122,13 +128,18 @@ def _cmd_status(args) -> int:
         print(f"no ftmem jobs in {args.shm_dir}")
     for job in report["jobs"]:
         newest, protected = job["newest_held"], job["newest_protected"]
-        behind = f", {newest - protected} behind" if newest is not None and protected is not None else ""
-        print(f"job {job['job']}: newest version held {newest}, newest protected {protected}{behind}")
+        if newest is None:
+            held = "no version held yet"
+        elif protected is None:
+            held = f"newest version held {newest}, none protected yet"
+        else:
+            held = f"newest version held {newest}, newest protected {protected}, {newest - protected} behind"
+        print(f"job {job['job']}: {held}")
         for n in job["nodes"]:
             # An SMP exits once its ranks are gone for FTMEM_SMP_GRACE_S; the versions stay.
             smp = f"SMP running (pid {n['smp_pid']})" if n["smp_pid"] else "no SMP running (a restart starts one)"
             print(f"  node {n['node']}: ranks {n['ranks']}, {smp}, versions {n['versions'] or 'none'}, "
-                  f"protected {n['protected']}  ({n['path']})")
+                  f"protected {'none' if n['protected'] is None else n['protected']}  ({n['path']})")
     return 0
 
 
@@ -320,7 +331,7 @@ def main(argv=None) -> int:
     which.add_argument("--all", action="store_true", help="every ftmem job in the shared-memory directory")
     p = add("export", "write a held version to disk in the framework's own checkpoint layout", _cmd_export)
     p.add_argument("--job", type=job_id_arg, required=True, help="the job (see ftmem status)")
-    p.add_argument("--version", type=int, help="the version (default: the newest every rank holds)")
+    p.add_argument("--version", type=non_negative_int, help="the version (default: the newest every rank holds)")
     p.add_argument("--out", required=True, help="directory to write the checkpoint into (DeepSpeed: the tag's "
                                                  "directory and latest; Megatron: iter_XXXXXXX and its tracker)")
     p.add_argument("--force", action="store_true", help="replace the checkpoint directory and the pointer file "
@@ -348,17 +359,18 @@ def main(argv=None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(fn=_cmd_demo)
     p = sub.add_parser("survival", help="probability that a version survives F random node failures, EC vs replication")
-    p.add_argument("--nodes", type=positive_int, required=True, help=f"at most {survival.MAX_NODES:,}")
-    p.add_argument("--k", type=positive_int, required=True)
-    p.add_argument("--m", type=non_negative_int, required=True)
-    p.add_argument("--failures", type=non_negative_int,
+    p.add_argument("--nodes", type=int_in(1, survival.MAX_NODES), required=True,
+                   help=f"at most {survival.MAX_NODES:,}")
+    p.add_argument("--k", type=int_in(1, MAX_EC_NODES - 1), required=True)
+    p.add_argument("--m", type=int_in(0, MAX_EC_NODES - 1), required=True)
+    p.add_argument("--failures", type=int_in(0, survival.MAX_FAILURES),
                    help=f"simultaneous node failures, at most {survival.MAX_FAILURES} (default: a table over F)")
     p.add_argument("--json", action="store_true", help="one JSON object (needs --failures)")
-    p.add_argument("--trials", type=positive_int, default=100_000,
+    p.add_argument("--trials", type=int_in(1, survival.MAX_DRAWS), default=100_000,
                    help=f"Monte Carlo trials for the cross-check (trials x failures at most {survival.MAX_DRAWS:,})")
-    p.add_argument("--node-mtbf-hours", type=positive_float, default=10_000.0,
+    p.add_argument("--node-mtbf-hours", type=number_in(1e-3, 1e9), default=10_000.0,
                    help="mean time between failures of one node")
-    p.add_argument("--window-minutes", type=positive_float, default=10.0,
+    p.add_argument("--window-minutes", type=number_in(1e-3, 1e7), default=10.0,
                    help="time to replace a node and re-protect")
     p.set_defaults(fn=_cmd_survival)
     p = sub.add_parser("plan", help="memory, time to protect, lag and survival for a model on a cluster, EC vs 2x "
@@ -374,11 +386,13 @@ def main(argv=None) -> int:
     p.add_argument("--zero", type=int, choices=capacity.ZERO_STAGES, default=0,
                    help="DeepSpeed's ZeRO stage (default 0; Megatron without the distributed optimizer is 0)")
     p.add_argument("--distributed-optimizer", action="store_true", help="Megatron's distributed optimizer")
-    p.add_argument("--k", type=positive_int, help="EC data nodes per group (with --m; default: ftmem's, k=min(2, N-1))")
-    p.add_argument("--m", type=non_negative_int, help="EC parity nodes per group (with --k; default 1)")
-    p.add_argument("--net-gbps", type=positive_float, required=True,
+    p.add_argument("--k", type=int_in(1, MAX_EC_NODES - 1),
+                   help="EC data nodes per group (with --m; default: ftmem's, k=min(2, N-1))")
+    p.add_argument("--m", type=int_in(0, MAX_EC_NODES - 1), help="EC parity nodes per group (with --k; default 1)")
+    # From a slow Ethernet's 10 Mb/s to far past any NIC; from a millisecond to a day and a half.
+    p.add_argument("--net-gbps", type=number_in(1e-3, 1e4), required=True,
                    help="network GB/s per node, each way (100 Gb/s is 12.5)")
-    p.add_argument("--step-s", type=positive_float, required=True, help="seconds per iteration")
+    p.add_argument("--step-s", type=number_in(1e-3, 1e5), required=True, help="seconds per iteration")
     p.add_argument("--save-interval", type=positive_int, default=1, help="iterations between saves (default 1)")
     p.add_argument("--slots", type=int, choices=capacity.SLOT_CHOICES, default=3,
                    help="data versions kept per rank, as the \"slots\" key (default 3; with 2 the saves made "

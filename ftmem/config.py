@@ -19,7 +19,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional, Union
 
 from ftmem.errors import ConfigError
 from ftmem._common.identity import JOB_ID_RULE, is_job_id
@@ -37,9 +37,10 @@ _ALLOWED = "ftmem.allowed"  # the metadata key of a field's Allowed
 class Allowed:
     """What one config key accepts."""
 
-    kind: type  # bool, int, str, or the dataclass of a section
+    kind: Any  # bool, int, str, a tuple of them, or the dataclass of a section
     optional: bool = False  # null (None) is accepted
     minimum: Optional[int] = None
+    maximum: Optional[int] = None
     choices: tuple = ()
     rule: Optional[Callable[[Any], bool]] = None  # a further test, described by ``rule_text``
     rule_text: str = ""
@@ -51,6 +52,8 @@ class Allowed:
             what = self.rule_text
         elif self.kind is bool:
             what = "true or false"
+        elif self.kind is int and self.maximum is not None:
+            what = f"an integer from {self.minimum} to {self.maximum:,}"
         elif self.kind is int:
             what = "an integer" + (f" >= {self.minimum}" if self.minimum is not None else "")
         elif self.kind is str:
@@ -62,10 +65,11 @@ class Allowed:
     def accepts(self, value: Any) -> bool:
         if value is None:
             return self.optional
-        if self.kind is int and isinstance(value, bool):  # bool is an int subclass; JSON's true is not a number
+        if isinstance(value, bool) and self.kind is not bool:  # bool is an int subclass; JSON's true is not a number
             return False
         return (isinstance(value, self.kind)
                 and (self.minimum is None or value >= self.minimum)
+                and (self.maximum is None or value <= self.maximum)
                 and (not self.choices or value in self.choices)
                 and (self.rule is None or self.rule(value)))
 
@@ -126,8 +130,19 @@ class _Section:
         for f in fields(cls):
             if f.name in given:
                 kind = f.metadata[_ALLOWED].kind
-                values[f.name] = kind.parse(given[f.name]) if issubclass(kind, _Section) else given[f.name]
+                section = isinstance(kind, type) and issubclass(kind, _Section)
+                values[f.name] = kind.parse(given[f.name]) if section else given[f.name]
         return cls(**values)
+
+
+# Reed-Solomon over GF(2^8) (ISA-L's Cauchy matrices): at most 255 pieces per stripe.
+MAX_EC_NODES = 255
+# A bound on every count a config takes where nothing else bounds it: far above any real
+# value, it keeps a typo's 10**30 from reaching code that takes it as a size or a time.
+MAX_COUNT = 10**9
+# The longest wait a config sets (a grace, a timeout): a day. Longer ones are typos, and
+# Python's own waits refuse past about 292 years (threading.TIMEOUT_MAX).
+MAX_WAIT_S = 86_400
 
 
 @dataclass(frozen=True)
@@ -139,14 +154,19 @@ class ECConfig(_Section):
 
     KEY: ClassVar[str] = "ftmem.ec"
 
-    k: Optional[int] = _key(kind=int, optional=True, minimum=1)
-    m: Optional[int] = _key(kind=int, optional=True, minimum=0)
+    k: Optional[int] = _key(kind=int, optional=True, minimum=1, maximum=MAX_EC_NODES - 1)
+    m: Optional[int] = _key(kind=int, optional=True, minimum=0, maximum=MAX_EC_NODES - 1)
 
     def check(self) -> None:
         if (self.k is None) != (self.m is None):
             raise ConfigError(
                 f'"ftmem.ec" needs both "k" and "m" (got k={self.k}, m={self.m}), or neither for '
                 f"defaults that fit the node count."
+            )
+        if self.k is not None and self.k + self.m > MAX_EC_NODES:
+            raise ConfigError(
+                f'"ftmem.ec" k={self.k}, m={self.m} makes groups of {self.k + self.m} nodes; the code (Reed-Solomon '
+                f"over GF(2^8)) takes at most k+m = {MAX_EC_NODES}."
             )
         if self.m == 0 and self.k > 1:
             raise ConfigError(
@@ -175,8 +195,11 @@ class PersistConfig(_Section):
     KEY: ClassVar[str] = "ftmem.persist"
 
     dir: Optional[str] = _key(kind=str, optional=True)
-    interval: int = _key(0, kind=int, minimum=0)
-    keep: int = _key(2, kind=int, minimum=1)
+    interval: int = _key(0, kind=int, minimum=0, maximum=MAX_COUNT)
+    keep: int = _key(2, kind=int, minimum=1, maximum=MAX_COUNT)
+    # Each flush is on the disk (fsync) before it is published and older ones deleted
+    # (ftmem._disk.durable); off where that is pointless (a RAM disk).
+    fsync: bool = _key(True, kind=bool)
 
     def check(self) -> None:
         if bool(self.dir) != (self.interval > 0):
@@ -206,7 +229,7 @@ class PreemptionConfig(_Section):
     KEY: ClassVar[str] = "ftmem.preemption"
 
     signal: Optional[str] = _key("SIGTERM", kind=str, optional=True, choices=PREEMPTION_SIGNALS)  # None: off
-    grace_s: int = _key(PREEMPTION_GRACE_S, kind=int, minimum=1)
+    grace_s: int = _key(PREEMPTION_GRACE_S, kind=int, minimum=1, maximum=MAX_WAIT_S)
 
 
 # How long a rank may go without a heartbeat before the job counts it lost: well above what a busy
@@ -226,7 +249,8 @@ class FailureDetectionConfig(_Section):
     KEY: ClassVar[str] = "ftmem.failure_detection"
 
     enabled: bool = _key(True, kind=bool)
-    timeout_s: Optional[int] = _key(kind=int, optional=True, minimum=1)  # None: FTMEM_FAILURE_TIMEOUT_S, else 60
+    # None: FTMEM_FAILURE_TIMEOUT_S, else 60
+    timeout_s: Optional[int] = _key(kind=int, optional=True, minimum=1, maximum=MAX_WAIT_S)
 
     def resolve(self) -> Optional[float]:
         """The timeout in seconds; None where detection is off."""
@@ -329,20 +353,24 @@ SHM_DIR_ADVICE = "point it at a tmpfs (usually /dev/shm) that exists on every no
 _SIZE = re.compile(r"(?i)\s*([0-9]*\.?[0-9]+)\s*(%|b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*")
 _SIZE_UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-BUDGET_RULE = ('a share of the shared-memory filesystem\'s size ("80%") or a size ("64GiB", "500MB", a number of '
-               'bytes), per node')
+BUDGET_RULE = ('a share of the shared-memory filesystem\'s size ("80%") or a size ("64GiB", "500MB", or a number of '
+               'bytes: "1000000" or 1000000), per node')
+MAX_BUDGET_BYTES = 2**60  # an exbibyte: past any node's memory
 
 
-def budget_bytes(spec: str, filesystem_bytes: int) -> Optional[int]:
+def budget_bytes(spec: Union[str, int], filesystem_bytes: int) -> Optional[int]:
     """The bytes the budget ``spec`` allows a node on a shared-memory filesystem of
     ``filesystem_bytes``; None where ``spec`` is no budget (see BUDGET_RULE)."""
+    if isinstance(spec, int):  # a JSON number: bytes
+        return spec if 1 <= spec <= MAX_BUDGET_BYTES else None
     match = _SIZE.fullmatch(spec)
     if not match:
         return None
     number, unit = float(match[1]), (match[2] or "").lower() or None
     if unit == "%":
         return int(filesystem_bytes * number / 100) if 0 < number <= 100 else None
-    return int(number * _SIZE_UNITS[unit]) if number >= 1 else None
+    size = int(number * _SIZE_UNITS[unit])
+    return size if 1 <= number and size <= MAX_BUDGET_BYTES else None
 
 
 @dataclass(frozen=True)
@@ -353,7 +381,7 @@ class FtmemConfig(_Section):
 
     ec: ECConfig = _key(ECConfig)
     # Ranks per (virtual) node; None means the launcher's LOCAL_WORLD_SIZE.
-    ranks_per_node: Optional[int] = _key(kind=int, optional=True, minimum=1)
+    ranks_per_node: Optional[int] = _key(kind=int, optional=True, minimum=1, maximum=MAX_COUNT)
     shm_dir: str = _key("/dev/shm", kind=str)
     dp_shard: str = _key("auto", kind=str, choices=DP_SHARD_CHOICES)
     persist: PersistConfig = _key(PersistConfig)
@@ -362,8 +390,8 @@ class FtmemConfig(_Section):
     failure_detection: FailureDetectionConfig = _key(FailureDetectionConfig)
     slots: int = _key(DATA_SLOTS, kind=int, choices=SLOT_CHOICES)
     # What the job's slots may take of each node's shared memory (None: what the filesystem has free).
-    shm_budget: Optional[str] = _key(kind=str, optional=True, rule=lambda spec: budget_bytes(spec, 1 << 40) is not None,
-                                     rule_text=BUDGET_RULE)
+    shm_budget: Union[str, int, None] = _key(kind=(str, int), optional=True, rule_text=BUDGET_RULE,
+                                             rule=lambda spec: budget_bytes(spec, 1 << 40) is not None)
     job_id: Optional[str] = _key(kind=str, optional=True, rule=is_job_id, rule_text=JOB_ID_RULE)
     # Memory holds a version of another layout, model or args: load the disk checkpoint
     # instead of stopping (AdapterRuntime.plan_resume).
@@ -382,8 +410,8 @@ class FtmemConfig(_Section):
 
 def seconds_from_env(name: str, default: float, minimum: float, what: str) -> float:
     """A duration an environment variable may set (tuning, not job config): ``name``'s
-    value in seconds, at least ``minimum``; ``default`` when it is unset. ``what`` says
-    what the seconds are, for the error a bad value gets."""
+    value in seconds, from ``minimum`` to MAX_WAIT_S; ``default`` when it is unset. ``what``
+    says what the seconds are, for the error a bad value gets."""
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -391,6 +419,6 @@ def seconds_from_env(name: str, default: float, minimum: float, what: str) -> fl
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not value >= minimum:  # NaN fails too
-        raise ConfigError(f"{name}={raw!r}: give {what}, in seconds (at least {minimum:g}).")
+    if not minimum <= value <= MAX_WAIT_S:  # NaN fails too
+        raise ConfigError(f"{name}={raw!r}: give {what}, in seconds (from {minimum:g} to {MAX_WAIT_S:,}).")
     return value

@@ -61,6 +61,7 @@ from ftmem._shm.slots import DATA, PARITY, CommitRecord, RankStore
 
 # Reads a whole version into private CPU memory (collective over the DP group).
 ReadVersion = Callable[[CommitRecord, torch.Tensor], Any]
+LAG_SUMMARY_S = 60.0  # the lag log's lines after its first two: at most one this often
 
 
 @dataclass
@@ -84,6 +85,43 @@ class FinalFlush:
     version: Optional[int]  # the version it was about (None: this run's memory held none)
     written: bool  # False: it was on disk already, or could not be written
     problem: Optional[str] = None  # why it was not written
+
+
+class _LagLog:
+    """What the log says about protection falling behind the saves: the first time it does
+    and the first time it catches up, each in a line of its own; after that, at most one line
+    every :data:`LAG_SUMMARY_S`, summing up what happened since (on a loaded machine the lag
+    comes and goes every few saves, which a line per change would flood the log with)."""
+
+    def __init__(self) -> None:
+        self._behind = 0  # as the last round left it
+        self._said_fell = self._said_caught_up = False
+        self._said_at = -LAG_SUMMARY_S  # when the last line was logged (monotonic seconds)
+        self._falls, self._worst = 0, 0  # since that line
+
+    def seen(self, protected: int, behind: int, now: float) -> Optional[str]:
+        """A round protected ``protected`` with the newest save ``behind`` versions ahead:
+        the line to log, if any."""
+        fell, caught_up = behind > 0 and self._behind == 0, behind == 0 and self._behind > 0
+        self._behind = behind
+        self._falls += fell
+        self._worst = max(self._worst, behind)
+        if fell and not self._said_fell:
+            self._said_fell = True
+            line = (f"protection is {behind} version(s) behind the saves: version {protected} protected, "
+                    f"{protected + behind} saved (a protection takes longer than the saves are apart; a crash of "
+                    f"processes restores the newest version every rank copied, a node loss the newest protected one)")
+        elif caught_up and not self._said_caught_up:
+            self._said_caught_up = True
+            line = f"protection caught up: version {protected}, the newest saved, is protected"
+        elif self._falls and now - self._said_at >= LAG_SUMMARY_S:
+            now_behind = f"{behind} version(s) behind now" if behind else "caught up now"
+            line = (f"protection fell behind the saves {self._falls} time(s) in the last {now - self._said_at:.0f} s, "
+                    f"at most {self._worst} version(s); {now_behind}")
+        else:
+            return None
+        self._said_at, self._falls, self._worst = now, 0, behind
+        return line
 
 
 @dataclass(frozen=True)
@@ -129,7 +167,7 @@ class Committer:
         self._stopping = False
         self._persist_asked = False  # a save asked to be flushed; the next protected version is
         self._skipped_before = False
-        self._lag_said = 0  # the lag, in versions, the log last said (said again when it grows or ends)
+        self._lag_log = _LagLog()
         self._preempted_until: Optional[float] = None  # told to stop: the grace's end (monotonic)
         self._final: Optional[FinalFlush] = None  # the flush at the preemption, once done
 
@@ -380,16 +418,10 @@ class Committer:
         return FinalFlush(version, True)
 
     def _say_lag(self, protected: int, behind: int) -> None:
-        """One log line when protection falls behind the saves, when it falls further behind
-        than it was said to be, and when it catches up: never one per save."""
-        if behind > self._lag_said:
-            job_info("protection is %d version(s) behind the saves: version %d protected, %d saved (a protection "
-                     "takes longer than the saves are apart; a crash of processes restores the newest version "
-                     "every rank copied, a node loss the newest protected one)", behind, protected, protected + behind)
-        elif behind == 0 and self._lag_said:
-            job_info("protection caught up: version %d, the newest saved, is protected", protected)
-        if behind > self._lag_said or behind == 0:
-            self._lag_said = behind
+        """Rank 0's lines on the lag (:class:`_LagLog`), once a round is done."""
+        line = self._lag_log.seen(protected, behind, time.monotonic())
+        if line is not None:
+            job_info("%s", line)
 
     def _all_min(self, value: int) -> int:
         """The least of every rank's ``value`` (this rank's alone on one rank)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -27,7 +27,7 @@ from ftmem._shm.smp_client import SmpClient
 
 
 class SlotMemory:
-    def __init__(self, store: RankStore, smp: SmpClient, budget: Optional[str] = None):
+    def __init__(self, store: RankStore, smp: SmpClient, budget: Union[str, int, None] = None):
         self.store, self._smp = store, smp
         self._budget = budget  # what the job's slots may take of the node's shared memory ("shm_budget")
         self._maps: dict[tuple[str, int], tuple[mmap.mmap, torch.Tensor]] = {}

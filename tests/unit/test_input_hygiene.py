@@ -29,19 +29,19 @@ def one_line_refusal(out) -> str:
 
 @pytest.mark.parametrize("section, message", [
     ({"ec": 3}, '"ftmem.ec" must be an object with the keys k, m, got 3.'),
-    ({"ec": {"k": True, "m": 1}}, '"ftmem.ec.k" must be an integer >= 1 (or leave it out), got true.'),
-    ({"persist": {"dir": "/tmp/p", "interval": "3"}}, '"ftmem.persist.interval" must be an integer >= 0, got "3".'),
-    ({"persist": {"dir": "/tmp/p", "interval": 2.5}}, '"ftmem.persist.interval" must be an integer >= 0, got 2.5.'),
-    ({"persist": {"dir": "/tmp/p", "interval": 1, "keep": "2"}}, '"ftmem.persist.keep" must be an integer >= 1, got "2".'),
-    ({"persist": {"dir": "/tmp/p", "interval": 1, "keep": None}}, '"ftmem.persist.keep" must be an integer >= 1, got null.'),
+    ({"ec": {"k": True, "m": 1}}, '"ftmem.ec.k" must be an integer from 1 to 254 (or leave it out), got true.'),
+    ({"persist": {"dir": "/tmp/p", "interval": "3"}}, '"ftmem.persist.interval" must be an integer from 0 to 1,000,000,000, got "3".'),
+    ({"persist": {"dir": "/tmp/p", "interval": 2.5}}, '"ftmem.persist.interval" must be an integer from 0 to 1,000,000,000, got 2.5.'),
+    ({"persist": {"dir": "/tmp/p", "interval": 1, "keep": "2"}}, '"ftmem.persist.keep" must be an integer from 1 to 1,000,000,000, got "2".'),
+    ({"persist": {"dir": "/tmp/p", "interval": 1, "keep": None}}, '"ftmem.persist.keep" must be an integer from 1 to 1,000,000,000, got null.'),
     ({"persist": {"dir": 7, "interval": 1}}, '"ftmem.persist.dir" must be a string (or leave it out), got 7.'),
     ({"persist": [1]}, '"ftmem.persist" must be an object with the keys dir, interval, keep, got [1].'),
     ({"shm_dir": None}, '"ftmem.shm_dir" must be a string, got null.'),
     ({"job_id": 123}, '"ftmem.job_id" must be a job id of 1-128 letters, digits, \'.\', \'_\' and \'-\', other than '
                       '\'.\' and \'..\' (or leave it out), got 123.'),
     ({"job_id": ".."}, '"ftmem.job_id" must be a job id of'),
-    ({"ranks_per_node": True}, '"ftmem.ranks_per_node" must be an integer >= 1 (or leave it out), got true.'),
-    ({"ranks_per_node": 2.0}, '"ftmem.ranks_per_node" must be an integer >= 1 (or leave it out), got 2.0.'),
+    ({"ranks_per_node": True}, '"ftmem.ranks_per_node" must be an integer from 1 to 1,000,000,000 (or leave it out), got true.'),
+    ({"ranks_per_node": 2.0}, '"ftmem.ranks_per_node" must be an integer from 1 to 1,000,000,000 (or leave it out), got 2.0.'),
     ({"dp_shard": 1}, '"ftmem.dp_shard" must be one of "auto", "on", "off", got 1.'),
     ({"allow_disk_fallback": "yes"}, '"ftmem.allow_disk_fallback" must be true or false, got "yes".'),
     ({"network": {"interface": 1}}, '"ftmem.network.interface" must be a network interface\'s name (1-15 '
@@ -52,15 +52,30 @@ def one_line_refusal(out) -> str:
     ({"slots": 4}, '"ftmem.slots" must be one of 2, 3, got 4.'),
     ({"preemption": {"signal": "TERM"}}, '"ftmem.preemption.signal" must be one of "SIGTERM", "SIGINT", "SIGUSR1", '
                                          '"SIGUSR2", "SIGHUP" (or leave it out), got "TERM".'),
-    ({"preemption": {"grace_s": 0}}, '"ftmem.preemption.grace_s" must be an integer >= 1, got 0.'),
-    ({"failure_detection": {"timeout_s": 0}}, '"ftmem.failure_detection.timeout_s" must be an integer >= 1 (or '
-                                              'leave it out), got 0.'),
+    ({"preemption": {"grace_s": 0}}, '"ftmem.preemption.grace_s" must be an integer from 1 to 86,400, got 0.'),
+    ({"failure_detection": {"timeout_s": 0}}, '"ftmem.failure_detection.timeout_s" must be an integer from 1 to '
+                                              '86,400 (or leave it out), got 0.'),
     ({"failure_detection": {"enabled": "no"}}, '"ftmem.failure_detection.enabled" must be true or false, got "no".'),
     ({"failure_detection": {"timeout": 5}}, "unknown key 'timeout' in the \"ftmem.failure_detection\" config. Did you "
                                             "mean 'timeout_s'?"),
     ({"shm_budget": "lots"}, '"ftmem.shm_budget" must be a share of the shared-memory filesystem\'s size ("80%") or '
-                             'a size ("64GiB", "500MB", a number of bytes), per node (or leave it out), got "lots".'),
+                             'a size ("64GiB", "500MB", or a number of bytes: "1000000" or 1000000), per node (or leave it out), '
+                             'got "lots".'),
     ({"shm_budget": "120%"}, '"ftmem.shm_budget" must be a share of'),
+    # Values past any real one, which used to pass and break later (an OverflowError at SIGTERM, at the first save).
+    ({"preemption": {"grace_s": 10_000_000_000}}, '"ftmem.preemption.grace_s" must be an integer from 1 to 86,400, got '
+                                                  '10000000000.'),
+    ({"failure_detection": {"timeout_s": 10**30}}, '"ftmem.failure_detection.timeout_s" must be an integer from 1 to '
+                                                   '86,400 (or leave it out), got 1000000000000000000000000000000.'),
+    ({"failure_detection": {"timeout_s": 1e30}}, '"ftmem.failure_detection.timeout_s" must be an integer from 1 to '
+                                                 '86,400 (or leave it out), got 1e+30.'),
+    ({"persist": {"dir": "/tmp/p", "interval": 10**12}}, '"ftmem.persist.interval" must be an integer from 0 to '
+                                                         '1,000,000,000, got 1000000000000.'),
+    ({"ec": {"k": 200, "m": 100}}, '"ftmem.ec" k=200, m=100 makes groups of 300 nodes; the code (Reed-Solomon over '
+                                   'GF(2^8)) takes at most k+m = 255.'),
+    ({"shm_budget": 10**30}, '"ftmem.shm_budget" must be a share of'),
+    ({"shm_budget": 0}, '"ftmem.shm_budget" must be a share of'),
+    ({"shm_budget": True}, '"ftmem.shm_budget" must be a share of'),
     ([("ec", 1)], '"ftmem" must be an object with the keys ec, ranks_per_node, shm_dir, dp_shard, persist, network, '
                   'preemption, failure_detection, slots, shm_budget, job_id, allow_disk_fallback, got '
                   '[["ec", 1]].'),
@@ -70,6 +85,20 @@ def test_a_bad_config_value_names_its_key_the_value_and_what_is_allowed(section,
     with pytest.raises(ConfigError) as e:
         FtmemConfig.from_dict(section)
     assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.parametrize("budget", [1_000_000, "1000000"])
+def test_a_budget_in_bytes_is_a_json_number_or_a_string(budget):
+    assert FtmemConfig.from_dict({"shm_budget": budget}).shm_budget == budget
+
+
+@pytest.mark.parametrize("name", ["FTMEM_FINISH_TIMEOUT_S", "FTMEM_COLLECTIVE_TIMEOUT_S", "FTMEM_FAILURE_TIMEOUT_S"])
+@pytest.mark.parametrize("value", ["1e30", "inf", "nan", "0"])
+def test_a_wait_an_environment_variable_sets_has_a_range_checked_at_the_start(name, value, monkeypatch, shm_dir):
+    """A job's start, not its end, finds a bad wait: the engine reads each as it starts."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=re.escape(f"{name}={value!r}: give ") + ".* in seconds \\(from 1 to 86,400\\)"):
+        SnapshotEngine({"shm_dir": shm_dir}, rank=0, world_size=1)
 
 
 def test_paths_that_cannot_work_are_refused_at_start(tmp_path, monkeypatch):
@@ -87,14 +116,15 @@ def test_paths_that_cannot_work_are_refused_at_start(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--ftmem-ec-k", "0", "--ftmem-ec-m", "1"], "--ftmem-ec-k must be an integer >= 1 (or leave it out), got 0."),
-    (["--ftmem-ranks-per-node", "0"], "--ftmem-ranks-per-node must be an integer >= 1 (or leave it out), got 0."),
+    (["--ftmem-ec-k", "0", "--ftmem-ec-m", "1"], "--ftmem-ec-k must be an integer from 1 to 254 (or leave it out), got 0."),
+    (["--ftmem-ranks-per-node", "0"], "--ftmem-ranks-per-node must be an integer from 1 to 1,000,000,000 (or leave it "
+                                       "out), got 0."),
     (["--ftmem-job-id", ".."], "--ftmem-job-id must be a job id of 1-128 letters"),
     (["--ftmem-shm-dir", "/nonexistent/shm"], "--ftmem-shm-dir '/nonexistent/shm' is not a directory"),
     (["--ftmem-network-interface", "a/b"], "--ftmem-network-interface must be a network interface's name"),
-    (["--ftmem-preemption-grace-s", "0"], "--ftmem-preemption-grace-s must be an integer >= 1, got 0."),
-    (["--ftmem-failure-detection-timeout-s", "0"], "--ftmem-failure-detection-timeout-s must be an integer >= 1 "
-                                                   "(or leave it out), got 0."),
+    (["--ftmem-preemption-grace-s", "0"], "--ftmem-preemption-grace-s must be an integer from 1 to 86,400, got 0."),
+    (["--ftmem-failure-detection-timeout-s", "0"], "--ftmem-failure-detection-timeout-s must be an integer "
+                                                   "from 1 to 86,400 (or leave it out), got 0."),
 ])
 def test_megatron_flags_are_checked_by_the_same_schema_and_named_as_flags(argv, message):
     with pytest.raises(ConfigError) as e:
@@ -153,26 +183,37 @@ def test_clean_deletes_nothing_outside_the_shared_memory_directory(tmp_path):
 # -- the command line --------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, says", [
-    (["bench", "save", "--mb", "-1"], "ftmem bench save: argument --mb: must be a positive integer, got '-1'"),
-    (["bench", "save", "--repeat", "0"], "ftmem bench save: argument --repeat: must be a positive integer, got '0'"),
-    (["bench", "ec", "--mb", "-1"], "ftmem bench ec: argument --mb: must be a positive integer, got '-1'"),
-    (["bench", "ec", "--piece-mb", "0"], "ftmem bench ec: argument --piece-mb: must be a positive integer, got '0'"),
-    (["bench", "protect", "--nodes", "2,0"], "ftmem bench protect: argument --nodes: must be a positive integer, got '0'"),
+    (["bench", "save", "--mb", "-1"], "ftmem bench save: argument --mb: must be an integer from 1 to 1,000,000,000, got '-1'"),
+    (["bench", "save", "--repeat", "0"], "ftmem bench save: argument --repeat: must be an integer from 1 to 1,000,000,000, got '0'"),
+    (["bench", "ec", "--mb", "-1"], "ftmem bench ec: argument --mb: must be an integer from 1 to 1,000,000,000, got '-1'"),
+    (["bench", "ec", "--piece-mb", "0"], "ftmem bench ec: argument --piece-mb: must be an integer from 1 to 1,000,000,000, got '0'"),
+    (["bench", "protect", "--nodes", "2,0"], "ftmem bench protect: argument --nodes: must be an integer from 1 to 1,000,000,000, got '0'"),
     (["survival", "--nodes", "8", "--k", "2", "--m", "1", "--trials", "-5"],
-     "ftmem survival: argument --trials: must be a positive integer, got '-5'"),
+     "ftmem survival: argument --trials: must be an integer from 1 to 20,000,000, got '-5'"),
     (["survival", "--nodes", "8", "--k", "2", "--m", "1", "--trials", "0"],
-     "ftmem survival: argument --trials: must be a positive integer, got '0'"),
+     "ftmem survival: argument --trials: must be an integer from 1 to 20,000,000, got '0'"),
     (["survival", "--nodes", "8", "--k", "2", "--m", "1", "--node-mtbf-hours", "0"],
-     "ftmem survival: argument --node-mtbf-hours: must be a positive number, got '0'"),
+     "ftmem survival: argument --node-mtbf-hours: must be a number from 0.001 to 1e+09, got '0'"),
     (["survival", "--nodes", "8", "--k", "2", "--m", "1", "--node-mtbf-hours", "-100"],
-     "ftmem survival: argument --node-mtbf-hours: must be a positive number, got '-100'"),
+     "ftmem survival: argument --node-mtbf-hours: must be a number from 0.001 to 1e+09, got '-100'"),
     (["survival", "--nodes", "8", "--k", "2", "--m", "1", "--window-minutes", "nan"],
-     "ftmem survival: argument --window-minutes: must be a positive number, got 'nan'"),
+     "ftmem survival: argument --window-minutes: must be a number from 0.001 to 1e+07, got 'nan'"),
     (["survival", "--nodes", "2000000", "--k", "2", "--m", "1", "--failures", "2"],
-     "ftmem survival: the node count must be between 1 and 1,000,000, got 2,000,000"),
+     "ftmem survival: argument --nodes: must be an integer from 1 to 1,000,000, got '2000000'"),
     (["survival", "--nodes", "1000", "--k", "2", "--m", "1", "--failures", "500"],
-     "ftmem survival: --failures 500 is more than this planner counts exactly (at most 100"),
+     "ftmem survival: argument --failures: must be an integer from 0 to 100, got '500'"),
     (["demo", "--shm-dir", "/nonexistent"], "ftmem demo: argument --shm-dir: '/nonexistent' is not a directory"),
+    # Values past any real one, which printed a 300-digit lag or "0 iterations" with status 0.
+    (["plan", "--params", "7B", "--dp", "8", "--gpus-per-node", "8", "--net-gbps", "1e-300", "--step-s", "1"],
+     "ftmem plan: argument --net-gbps: must be a number from 0.001 to 10000, got '1e-300'"),
+    (["plan", "--params", "7B", "--dp", "8", "--gpus-per-node", "8", "--net-gbps", "12.5", "--step-s", "1e-300"],
+     "ftmem plan: argument --step-s: must be a number from 0.001 to 100000, got '1e-300'"),
+    (["plan", "--params", "7B", "--dp", "8", "--gpus-per-node", "8", "--net-gbps", "1e300", "--step-s", "1e300"],
+     "ftmem plan: argument --net-gbps: must be a number from 0.001 to 10000, got '1e300'"),
+    (["plan", "--params", "7B", "--dp", "8", "--gpus-per-node", "8", "--net-gbps", "12.5", "--step-s", "1",
+      "--save-interval", "1e12"], "ftmem plan: argument --save-interval: must be an integer from 1 to 1,000,000,000"),
+    (["export", "--job", "j", "--out", "o", "--version", "-3"],
+     "ftmem export: argument --version: must be an integer from 0 to 1,000,000,000, got '-3'"),
 ])
 def test_a_mistake_on_the_command_line_is_one_line_and_status_2(argv, says):
     assert one_line_refusal(run_cli(*argv)).startswith(says)
