@@ -202,8 +202,9 @@ def worker(argv=None) -> None:
         flushes.append(engine.checkpoint_engine.runtime.last_flush)
     engine.checkpoint_engine.runtime.close(job_finished=True)
     figures["persist_save_s"] = statistics.median(saves[1:])
-    figures["flush_s"] = statistics.median(s for _, s in flushes[1:])
-    figures["flush_mb"] = flushes[-1][0] / 2**20
+    figures["flush_s"] = statistics.median(flush.seconds for flush in flushes[1:])
+    figures["flush_sync_s"] = statistics.median(flush.sync_s for flush in flushes[1:])
+    figures["flush_mb"] = flushes[-1].nbytes / 2**20
     del engine
 
     # 3. iteration time of the smaller GPT: ftmem save every step vs no saves. The two
@@ -255,6 +256,7 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
         "restore_vs_default_x": f["default_restore_s"] / f["ftmem_restore_s"],
         "persist_save_s": f["persist_save_s"], "persist_vs_memory_save_x": f["persist_save_s"] / f["ftmem_save_s"],
         "flush_s": f["flush_s"], "flush_vs_default_save_x": f["flush_s"] / f["default_save_s"],
+        "flush_sync_s": f["flush_sync_s"], "flush_sync_share_x": f["flush_sync_s"] / f["flush_s"],
         "protected_s": f["ftmem_protected_s"], "drain_before_restore_s": f["ftmem_drain_before_protected_s"],
         "step_s": f["big_step_s"], "cycle_s": f["big_cycle_s"], "cycle_cost_s": f["big_cycle_s"] - f["big_step_s"],
         "cycle_cost_vs_default_save_x": (f["big_cycle_s"] - f["big_step_s"]) / f["default_save_s"],
@@ -283,7 +285,9 @@ def bench_deepspeed(shm_dir: str = "/dev/shm") -> dict:
     print(f"  with a flush to disk after every save: save_checkpoint blocks {result['persist_save_s']:.3f} s "
           f"({result['persist_vs_memory_save_x']:.2f}x the save without, target <= 1.05x); a flush of rank 0's "
           f"{f['flush_mb']:.0f} MiB takes {result['flush_s']:.3f} s, {result['flush_vs_default_save_x']:.2f}x "
-          f"the default engine's whole save_checkpoint")
+          f"the default engine's whole save_checkpoint (which syncs nothing); {result['flush_sync_s']:.3f} s of it "
+          f"({result['flush_sync_share_x']:.2f}x) syncing the files and directories to the disk (fsync), so "
+          f"that a power loss leaves a whole checkpoint")
     print(f"smaller GPT ({SMALL}), iteration without saves vs an ftmem save every step:")
     for case, (micro_batch, ranks_per_node) in ITERATION_CASES.items():
         where = "2 nodes, mirrored" if ranks_per_node == 1 else "1 node, no cross-node parity"

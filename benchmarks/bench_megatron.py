@@ -141,7 +141,7 @@ def worker(argv=None) -> None:
         saves["persist"].append(timed(lambda: checkpointing.save_checkpoint(
             iteration, model, optimizer, scheduler, 0.0, args, persistent=True)))
         drains.append(timed(checkpointing.wait_flushed))
-        written, seconds = checkpointing.last_flush()
+        written, seconds, _ = checkpointing.last_flush()
         flush = torch.tensor([written, seconds], dtype=torch.float64)
         torch.distributed.all_reduce(flush[:1])
         torch.distributed.all_reduce(flush[1:], op=torch.distributed.ReduceOp.MAX)

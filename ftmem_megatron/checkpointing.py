@@ -420,8 +420,8 @@ def wait_flushed() -> None:
         _checkpointer.runtime.wait_flushed()
 
 
-def last_flush() -> Optional[tuple[int, float]]:
-    """(bytes this rank wrote, seconds) of the last persistent checkpoint written from memory."""
+def last_flush():
+    """This rank's part of the last persistent checkpoint written from memory (bytes, seconds, of them syncing)."""
     return _checkpointer.runtime.last_flush if _checkpointer is not None else None
 
 

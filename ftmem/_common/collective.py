@@ -6,17 +6,23 @@ waiting in the next collective; these helpers give every rank the same answer.
 Each is a collective over ``group`` (a gloo group of ftmem's, never a framework's);
 without a group (one rank) it answers from this rank alone. Those groups are made by
 :func:`new_group`, in a bounded time, bound to the network interface the job names for
-ftmem's traffic (``"ftmem.network.interface"``) where it names one.
+ftmem's traffic (``"ftmem.network.interface"``) where it names one. A collective that ranks
+reach on threads of their own (the protection's) waits through :class:`Arrivals`, bounded,
+naming the ranks that did not come.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import time
 from datetime import timedelta
-from typing import Any, Optional, Sequence, TypeVar
+from typing import Any, Iterator, Optional, Sequence, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ftmem._common import testhooks
+from ftmem._common.job_store import own_connection
 from ftmem.config import INTERFACE_ENV, seconds_from_env
 from ftmem.errors import CollectiveNotJoined, ConfigError
 
@@ -36,6 +42,12 @@ _groups_made = itertools.count(1)  # every rank makes ftmem's groups in the same
 BOUND_GLOO = "ftmem_gloo"
 
 T = TypeVar("T")
+# How long a rank waits in a collective of its own before it says on the job's store that it
+# came: a collective that every rank reaches within this says nothing on the store at all.
+NOTE_AFTER_S = 2.0
+# Bytes a second below which a transfer between ranks counts as stuck: far below any network a
+# job runs on, a loaded one included.
+NETWORK_FLOOR_BYTES_PER_S = 10e6
 
 
 def gather(obj: Any, group: Optional[dist.ProcessGroup]) -> list:
@@ -55,6 +67,93 @@ def first_problem(problem: Optional[T], group: Optional[dist.ProcessGroup]) -> O
 def all_problems(problem: Optional[T], group: Optional[dist.ProcessGroup]) -> list[T]:
     """Every rank's problem, by rank, those without one left out."""
     return [p for p in gather(problem, group) if p is not None]
+
+
+@contextlib.contextmanager
+def posted_within(group: dist.ProcessGroup, bound_s: float) -> Iterator[float]:
+    """Collectives posted on ``group`` inside time out in gloo itself after ``bound_s`` (gloo
+    takes a group's timeout when an operation is posted): one that runs out ends there, so
+    that the group can still be destroyed (its destructor joins threads that would otherwise
+    wait for the stuck operation all of the group's own timeout). Yields when they were posted."""
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=bound_s), group)
+    try:
+        yield time.monotonic()
+    finally:
+        dist.distributed_c10d._set_pg_timeout(OPERATION_TIMEOUT, group)
+
+
+class Arrivals:
+    """The ranks of ``ranks`` that came to each collective of one kind (their n-th), told
+    apart only where one is slow: a rank that has waited NOTE_AFTER_S says on the job's store
+    that it came (a connection of its own, made then), and one whose wait runs out names the
+    ranks that had not. Every rank of ``ranks`` must make the same collectives of the kind, in
+    one order (the protection's rounds; a column's exchanges)."""
+
+    def __init__(self, job_store: Optional[dist.Store], key: str, rank: int, ranks: Sequence[int]):
+        self.rank, self.ranks, self._key = rank, list(ranks), key.rstrip("/") + "/"
+        self._job_store, self._store = job_store, None
+        self._made = 0
+
+    def wait(self, works: Sequence[dist.Work], what: str, bound_s: float, posted: float) -> None:
+        """Until every one of ``works`` (this rank's part of the collective, posted at
+        ``posted`` within ``bound_s``: :func:`posted_within`) is done: CollectiveNotJoined naming
+        the ranks that had not come when they ran out; a work that failed sooner (a peer's
+        connection closed) raises its own error."""
+        self._made += 1
+        noted = False
+        for work in works:
+            while True:
+                try:
+                    work.wait(timeout=timedelta(seconds=NOTE_AFTER_S if not noted else NOTE_AFTER_S + bound_s))
+                    break
+                except RuntimeError:
+                    ran_out = time.monotonic() - posted >= bound_s
+                    if work.is_completed() and not ran_out:  # it failed: no wait for latecomers
+                        raise
+                    if ran_out:
+                        raise self._not_joined(what, bound_s) from None
+                noted = noted or self._note()
+
+    def _note(self) -> bool:
+        try:
+            if self._store is None:
+                self._store = own_connection(self._job_store, NOTE_AFTER_S)
+            self._store.set(self._key + str(self.rank), str(self._made))
+        except Exception:  # no store to say it on (one rank, a store gone): the wait names nobody
+            pass
+        return True
+
+    def _not_joined(self, what: str, bound_s: float) -> CollectiveNotJoined:
+        try:
+            behind = [r for r in self.ranks if r != self.rank and
+                      (not self._store.check([self._key + str(r)]) or int(self._store.get(self._key + str(r))) <
+                       self._made)]
+            who = f"ranks {behind}" if behind else "some ranks"
+        except Exception:  # the store itself is gone: nothing to tell
+            who = "some ranks"
+        return CollectiveNotJoined(
+            f"{what}: {who} did not come within {bound_s:g} s ({TIMEOUT_ENV} sets how far apart the ranks may come); "
+            f"they died, hang, or no longer save the same versions. The failure detector ends a job whose rank died "
+            f"or hangs; restart the job.")
+
+
+def gather_bytes(payload: bytes, group: dist.ProcessGroup, arrivals: Arrivals, what: str) -> list[bytes]:
+    """Every member's ``payload``, by rank in ``group``, as ``all_gather_object`` gives it for
+    bytes but waited for through ``arrivals`` (two all-gathers: the lengths, then the bytes)."""
+    members, bound_s = dist.get_world_size(group), collective_timeout_s()
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    lengths = [torch.empty_like(length) for _ in range(members)]
+    with posted_within(group, bound_s) as posted:
+        work = dist.all_gather(lengths, length, group=group, async_op=True)
+    arrivals.wait([work], what, bound_s, posted)
+    longest = max(int(n) for n in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+    everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(members)]
+    with posted_within(group, bound_s) as posted:
+        work = dist.all_gather(everyone, mine, group=group, async_op=True)
+    arrivals.wait([work], what, bound_s, posted)
+    return [bytes(t[: int(n)].numpy()) for t, n in zip(everyone, lengths)]
 
 
 def collective_timeout_s() -> float:

@@ -26,7 +26,7 @@ import os
 import shutil
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -124,6 +124,15 @@ def flushed(root: str) -> list[dict]:
         return []
 
 
+class FlushTimes(NamedTuple):
+    """This rank's part of a flush: the bytes it wrote, the seconds the flush took, and how many
+    of them the syncs took (0 with ``"fsync": false``)."""
+
+    nbytes: int
+    seconds: float
+    sync_s: float
+
+
 class Flusher:
     """One rank's side of the persistent tier. Construction is collective (a gloo group)."""
 
@@ -138,8 +147,7 @@ class Flusher:
         self._group = new_group(interface=interface) if world_size > 1 else None
         self._protected = 0
         self._thread: Optional[threading.Thread] = None
-        self.last_flush: Optional[tuple[int, float]] = None  # (bytes this rank wrote, seconds), for benchmarks
-        self.last_sync_s: Optional[float] = None  # of the last flush, the seconds its fsyncs took on this rank
+        self.last_flush: Optional[FlushTimes] = None  # this rank's part of the last flush, for benchmarks
         self.flushed_version: Optional[int] = None  # the newest version this job wrote to disk
         self._failure: Optional[str] = None  # why the last flush failed, until one succeeds
         check_writable(root)
@@ -226,8 +234,7 @@ class Flusher:
                 shutil.rmtree(staging, ignore_errors=True)  # every rank is done with it
             return self._record_failure(version, problem)
         seconds = time.monotonic() - started
-        self.last_flush, self.flushed_version, self._failure = (written.nbytes, seconds), version, None
-        self.last_sync_s = sync_s
+        self.last_flush, self.flushed_version, self._failure = FlushTimes(written.nbytes, seconds, sync_s), version, None
         synced = f", {sync_s:.2f} s of it syncing to the disk" if self.fsync else " (not synced: \"fsync\": false)"
         rank_info(self.rank, "flushed version %d to %s: %.1f MiB in %.2f s (%.2f GB/s)%s", version,
                   os.path.join(self.root, name), written.nbytes / 2**20, seconds,

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ftmem._common import testhooks
-from ftmem._common.collective import new_group
+from ftmem._common.collective import (NETWORK_FLOOR_BYTES_PER_S, Arrivals, collective_timeout_s, gather_bytes,
+                                      new_group, posted_within)
 from ftmem._state.checksum import checksum
 from ftmem._ec.codec import Codec
 from ftmem.errors import CorruptShard, EcGeometryMismatch, NotRecoverableFromMemory
@@ -191,6 +192,7 @@ class ColumnCoder:
         self.position = topology.position(rank)
         self.codec = Codec(self.group.k, self.group.m)
         self.pg = None  # set by make_groups: creation is collective over the whole job
+        self.arrivals: Optional[Arrivals] = None  # the column's, set with pg: its protection's waits are bounded
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _buffer(self, name: str, nbytes: int) -> torch.Tensor:
@@ -213,8 +215,8 @@ class ColumnCoder:
     # -- protect ------------------------------------------------------------------
     def exchange_info(self, record: CommitRecord) -> tuple[list[int], list[CommitRecord], int]:
         # Records travel as their plain encoding (ftmem._shm.slots), never as pickled objects.
-        infos: list = [None] * self.group.n
-        dist.all_gather_object(infos, encode_record(record), group=self.pg)
+        infos = gather_bytes(encode_record(record), self.pg, self.arrivals,
+                             f"rank {record.rank}'s exchange of version {record.version}'s records with its EC column")
         records = [_decode(CommitRecord, info) for info in infos]
         lengths = [r.plan.nbytes for r in records]
         return lengths, records, piece_size(lengths, self.group.k)
@@ -231,7 +233,8 @@ class ColumnCoder:
                  for stripe in range(g.n)
                  for q, dest in enumerate(g.parity_members(stripe))
                  for p, src in enumerate(g.data_members(stripe))]
-        exchange = _Exchange(self, moves, data, lengths[self.position], parity, piece)
+        exchange = _Exchange(self, moves, data, lengths[self.position], parity, piece,
+                             f"rank {record.rank}'s parity exchange of version {record.version} with its EC column")
         # In rounds: staging memory stays bounded whatever the state size, and a round's
         # pieces are still in cache when they are encoded. Round r+1's moves are under way
         # while round r encodes.
@@ -351,9 +354,11 @@ class _Exchange:
     m = 1) receives it straight into its parity slot."""
 
     def __init__(self, coder: "ColumnCoder", moves: list, data: np.ndarray, length: int, parity: np.ndarray,
-                 piece: int):
+                 piece: int, what: str):
+        """``what`` names the exchange where a peer does not come (:class:`Arrivals`)."""
         pos = coder.position
         self.coder, self.data, self.length, self.parity, self.piece = coder, data, length, parity, piece
+        self.what = what
         self.tags = len(moves)
         self.outgoing = [(i, mv) for i, mv in enumerate(moves) if mv[0] == pos]
         self.incoming = [(i, mv) for i, mv in enumerate(moves) if mv[1] == pos]
@@ -362,23 +367,25 @@ class _Exchange:
         self.peers = [dist.get_global_rank(coder.pg, i) for i in range(coder.group.n)]
 
     def post(self, r: int, start: int, width: int) -> tuple:
-        """Start round ``r``'s sends and receives; (start, width, works, received)."""
+        """Start round ``r``'s sends and receives, bounded (the ranks to come, and its bytes at a
+        crawl); (start, width, works, received, when posted, the bound)."""
         works, received = [], {}
         buffers = r % 2  # two rounds are in flight at most: each has buffers of its own
-        for j, (tag, (_, dest, _, _, p)) in enumerate(self.outgoing):
-            works.append(dist.isend(self._piece(p, start, width, f"send{buffers}.{j}"), self.peers[dest],
-                                    group=self.coder.pg, tag=r * self.tags + tag))
-        for j, (tag, (src, _, stripe, q, p)) in enumerate(self.incoming):
-            into = torch.from_numpy(self.parity[start : start + width]) if self.into_parity else \
-                self.coder._buffer(f"recv{buffers}.{j}", width)
-            received[(stripe, q, p)] = into
-            works.append(dist.irecv(into, self.peers[src], group=self.coder.pg, tag=r * self.tags + tag))
-        return start, width, works, received
+        bound_s = collective_timeout_s() + (len(self.outgoing) + len(self.incoming)) * width / NETWORK_FLOOR_BYTES_PER_S
+        with posted_within(self.coder.pg, bound_s) as posted:
+            for j, (tag, (_, dest, _, _, p)) in enumerate(self.outgoing):
+                works.append(dist.isend(self._piece(p, start, width, f"send{buffers}.{j}"), self.peers[dest],
+                                        group=self.coder.pg, tag=r * self.tags + tag))
+            for j, (tag, (src, _, stripe, q, p)) in enumerate(self.incoming):
+                into = torch.from_numpy(self.parity[start : start + width]) if self.into_parity else \
+                    self.coder._buffer(f"recv{buffers}.{j}", width)
+                received[(stripe, q, p)] = into
+                works.append(dist.irecv(into, self.peers[src], group=self.coder.pg, tag=r * self.tags + tag))
+        return start, width, works, received, posted, bound_s
 
-    def finish(self, start: int, width: int, works: list, received: dict) -> None:
+    def finish(self, start: int, width: int, works: list, received: dict, posted: float, bound_s: float) -> None:
         """Wait for a round's moves and encode its parity rows."""
-        for work in works:
-            work.wait()
+        self.coder.arrivals.wait(works, self.what, bound_s, posted)
         if self.into_parity:
             return
         piece, k = self.piece, self.coder.group.k

@@ -35,13 +35,19 @@ the anchor) to the persistent tier instead, and protects nothing more.
 
 A crash at any moment leaves the anchor intact on every rank; a crash of processes only
 also leaves the newest version every rank committed, which a restore finds on its own.
+
+Every wait here is bounded, and one that runs out names what did not come: a copy by
+:func:`ftmem._state.copier.copy_bound_s` (a local copy, held up by nothing but a stuck device
+or machine), a collective of the rounds by ``FTMEM_COLLECTIVE_TIMEOUT_S`` for the ranks to
+come (:class:`ftmem._common.collective.Arrivals`, which names those that did not). A failed
+round fails the engine: the job's groups are then in an unknown state.
 """
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -49,9 +55,10 @@ import torch
 import torch.distributed as dist
 
 from ftmem._common import testhooks
-from ftmem._common.logs import job_info
+from ftmem._common.collective import Arrivals, collective_timeout_s, posted_within
+from ftmem._common.logs import job_info, rank_warning
 from ftmem._state.checksum import data_checksum
-from ftmem._state.copier import SlotWindows, copy_into_slot
+from ftmem._state.copier import SlotWindows, copy_bound_s, copy_into_slot
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._disk.persist import Flusher
@@ -73,9 +80,21 @@ class _Save:
     tensors: Optional[list]  # let go once copied
     cuda_ready: dict
     persist: bool
+    copy_started: Optional[float] = None  # monotonic seconds, once the copy thread took it up
     copied: bool = False  # committed on this rank
     finished: bool = False  # the copy thread is done with it (committed, skipped or failed)
     replaced: bool = False  # its slot was taken by a later save
+
+    def late(self, now: float) -> bool:
+        """Its copy runs past :func:`copy_bound_s`."""
+        return (not self.finished and self.copy_started is not None and
+                now - self.copy_started > copy_bound_s(self.record.plan.nbytes))
+
+    def late_error(self) -> FtmemError:
+        return FtmemError(f"the copy of version {self.record.version} ({self.record.plan.nbytes / 2**20:.1f} MiB) into "
+                          f"shared memory has not ended within {copy_bound_s(self.record.plan.nbytes):.0f} s "
+                          f"(FTMEM_COPY_TIMEOUT_S, plus a second per 50 MB): a device or the machine is stuck. The "
+                          f"training cannot go on safely; restart the job.")
 
 
 @dataclass(frozen=True)
@@ -144,11 +163,18 @@ class Lag:
 
 class Committer:
     def __init__(self, store: RankStore, memory: SlotMemory, column: Optional[ColumnCoder],
-                 gloo: Optional[dist.ProcessGroup], read_version: ReadVersion):
+                 gloo: Optional[dist.ProcessGroup], arrivals: Optional[Arrivals], read_version: ReadVersion):
+        """``arrivals``: those of the job's rounds (None on one rank)."""
         self.store, self.memory = store, memory
         self._column, self._gloo, self._read_version = column, gloo, read_version
+        self._arrivals = arrivals
         self.flusher: Optional[Flusher] = None
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftmem-copy")
+        # The saves to copy, in order, for a daemon thread of ftmem's: not a ThreadPoolExecutor,
+        # whose workers the interpreter joins at its exit, so that a copy stuck on a device
+        # would keep the process from ending.
+        self._to_copy: "queue.SimpleQueue[Optional[_Save]]" = queue.SimpleQueue()
+        self._copier = threading.Thread(target=self._copy_loop, name="ftmem-copy", daemon=True)
+        self._copier.start()
         self._protector: Optional[threading.Thread] = None  # started by the first save
         self._side_streams: dict = {}  # CUDA device -> the stream device-to-host copies run on
         self._windows = SlotWindows()
@@ -190,7 +216,7 @@ class Committer:
                 self._protector = threading.Thread(target=self._protect_loop, name="ftmem-protect", daemon=True)
                 self._protector.start()
             self._cv.notify_all()
-        self._copier.submit(self._copy, save)
+        self._to_copy.put(save)
 
     def keep(self, version: Optional[int]) -> None:
         """``version`` is the job's newest version now (a restore agreed on it, every rank holds
@@ -221,7 +247,7 @@ class Committer:
                 self._protector.start()
             self._cv.notify_all()
             self._cv.wait_for(lambda: self._final is not None or self._failure is not None,
-                              timeout=max(0.0, deadline - time.monotonic()))
+                              timeout=max(0.0, deadline - time.monotonic()))  # the grace bounds it
             if self._final is None and self._failure is not None:
                 return FinalFlush(None, False, f"protection had stopped: {self._failure}")
             return self._final
@@ -238,20 +264,48 @@ class Committer:
 
     def drain(self) -> None:
         """Until every save so far is copied, and protected or passed over, and any flush it
-        started handed over; raises the protection thread's error."""
+        started handed over; raises the protection thread's error, or the copy that ran past
+        its bound (the rounds' own waits are bounded: see the module's doc)."""
         with self._cv:
-            self._cv.wait_for(lambda: self._failure is not None or (
-                not self._in_round and self._seen == self._tried and all(s.finished for s in self._saves.values())))
+            while self._failure is None and not (not self._in_round and self._seen == self._tried and
+                                                 all(s.finished for s in self._saves.values())):
+                self._raise_late_copy()
+                self._cv.wait(timeout=1.0)
             self.raise_failure()
 
     def shutdown(self) -> None:
+        """Let the copy and protection threads end, each within its bound; one that does not
+        is named and left to end with the process (both are daemons)."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
-        self._copier.shutdown(wait=True)
+            saves = list(self._saves.values())
+        self._to_copy.put(None)  # the copy thread ends after the saves before it
+        try:
+            with self._cv:
+                self._until_copied(saves)
+        except FtmemError as e:
+            rank_warning(self.rank, "%s", e)
         if self._protector is not None:
-            self._protector.join()
+            self._protector.join(collective_timeout_s())
+            if self._protector.is_alive():
+                rank_warning(self.rank, "the protection thread has not ended within %.0f s of the engine's close (it "
+                             "waits for ranks that did not come): it ends with the process", collective_timeout_s())
         self._windows.clear()
+
+    def _until_copied(self, saves: list) -> None:
+        """(under _cv) Until the copies of ``saves`` are done; the first that runs past its
+        bound raises (FtmemError, naming it)."""
+        while not all(s.finished for s in saves):
+            late = next((s for s in saves if s.late(time.monotonic())), None)
+            if late is not None:
+                raise late.late_error()
+            self._cv.wait(timeout=1.0)
+
+    def _raise_late_copy(self) -> None:
+        late = next((s for s in self._saves.values() if s.late(time.monotonic())), None)
+        if late is not None:
+            raise late.late_error()
 
     def forget_groups(self) -> None:
         """The engine closed and destroyed its groups: hold none of them, the tier's included."""
@@ -260,9 +314,14 @@ class Committer:
             self.flusher.close()
 
     # -- the copy thread -----------------------------------------------------------
+    def _copy_loop(self) -> None:
+        while (save := self._to_copy.get()) is not None:
+            self._copy(save)
+
     def _copy(self, save: _Save) -> None:
         version = save.record.version
         with self._cv:
+            save.copy_started = time.monotonic()
             slot = self._slot_for_copy()
             if slot is not None:
                 self._copying = slot
@@ -354,12 +413,12 @@ class Committer:
             save = self._saves.get(target)
             if save is not None and not save.replaced and not save.handle.skipped:
                 self._claimed = target  # the copy thread now leaves its slot alone
-                self._cv.wait_for(lambda: save.finished)  # its copy, if it still runs, is this rank's own
+                self._until_copied([save])  # its copy, if it still runs, is this rank's own
             have = save is not None and save.copied and not save.replaced
-        if not self._all_min(int(have)):
+        if not self._all_min(int(have), f"the vote that every rank committed version {target}"):
             with self._cv:
                 self._claimed, self._tried = None, target
-            return
+            return False
         record = save.record
         testhooks.at("before_protect", self.rank, target)
         if self._column is not None:
@@ -389,17 +448,25 @@ class Committer:
         if self._gloo is None:
             return seen, preempted
         agreed = torch.tensor([seen, -int(preempted)], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self._gloo)
+        self._all_reduce(agreed, dist.ReduceOp.MIN, f"the agreement on the version to protect after {self._tried}")
         return int(agreed[0]), bool(agreed[1])
+
+    def _all_reduce(self, values: torch.Tensor, op: dist.ReduceOp, what: str) -> None:
+        """An all-reduce of the rounds on the job's group, waited for at most
+        FTMEM_COLLECTIVE_TIMEOUT_S (CollectiveNotJoined names the ranks that did not come)."""
+        bound_s = collective_timeout_s()
+        with posted_within(self._gloo, bound_s) as posted:
+            work = dist.all_reduce(values, op=op, group=self._gloo, async_op=True)
+        self._arrivals.wait([work], f"rank {self.rank}'s protection, in {what}", bound_s, posted)
 
     def _flush_final(self) -> FinalFlush:
         """Write the newest version every rank holds whole (else the anchor) to the persistent
         tier, in step with every rank (the flush at a preemption)."""
         with self._cv:  # this rank's copies end (no save starts any more)
-            self._cv.wait_for(lambda: all(s.finished for s in self._saves.values()))
+            self._until_copied(list(self._saves.values()))
             whole = {v: s.record for v, s in self._saves.items() if s.copied and not s.replaced}
-        version = self._all_min(max(whole, default=-1))
-        if version < 0 or not self._all_min(int(version in whole)):
+        version = self._all_min(max(whole, default=-1), "the agreement on the version to flush at the preemption")
+        if version < 0 or not self._all_min(int(version in whole), f"the vote that every rank holds version {version}"):
             version = self.anchor  # every rank holds it
         with self._cv:  # a save this rank starts before it hears of the signal leaves its slot alone
             self._claimed = version
@@ -423,12 +490,13 @@ class Committer:
         if line is not None:
             job_info("%s", line)
 
-    def _all_min(self, value: int) -> int:
-        """The least of every rank's ``value`` (this rank's alone on one rank)."""
+    def _all_min(self, value: int, what: str) -> int:
+        """The least of every rank's ``value`` (this rank's alone on one rank); ``what`` names
+        the collective where it waits too long."""
         if self._gloo is None:
             return value
         least = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self._gloo)
+        self._all_reduce(least, dist.ReduceOp.MIN, what)
         return int(least)
 
     def _protect(self, record: CommitRecord) -> None:
@@ -444,7 +512,7 @@ class Committer:
     def _confirm_same_version_everywhere(self, version: int) -> None:
         """Job-wide: every rank committed and protected v. Only then is v the anchor, and the
         older one's slot free on any rank."""
-        if self._all_min(version) != version:
+        if self._all_min(version, f"the check that every rank protected version {version}") != version:
             raise FtmemError(f"ranks protected different versions at once (this rank {version}): every rank must "
                              f"save the same versions.")
         if self._column is not None:
@@ -462,7 +530,8 @@ class Committer:
         running on any rank (then this version is skipped: flushes never queue)."""
         busy = torch.tensor([int(self.flusher.busy())], dtype=torch.int64)
         if self._gloo is not None:
-            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self._gloo)
+            self._all_reduce(busy, dist.ReduceOp.MAX, f"the check that no flush still runs, before version "
+                                                      f"{record.version}'s")
         if busy.item():
             job_info("version %d not flushed: the previous flush is still running (the disk is slower than "
                      "persist.interval saves)", record.version)

@@ -30,20 +30,20 @@ import torch.distributed as dist
 
 from ftmem._engine.commit import Committer, Lag
 from ftmem.config import FtmemConfig, seconds_from_env
-from ftmem._state.copier import capture_cuda_order, taken_now
+from ftmem._state.copier import capture_cuda_order, copy_bound_s, taken_now
 from ftmem._state.destinations import RestoreTargets
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
 from ftmem._common import exit_status
 from ftmem._common.agreement import unanimous
-from ftmem._common.collective import collective_timeout_s, gather, new_group
+from ftmem._common.collective import Arrivals, collective_timeout_s, gather, new_group
 from ftmem._common.logs import job_info, rank_info, rank_warning
 from ftmem._engine.failure_detector import FailureDetector
 from ftmem._engine.preemption import PreemptionWatch, arrival_s, say_grace_ended, whole_job_told
 from ftmem._engine.ownership import refuse_another_node_layout, refuse_foreign_versions
 from ftmem._common.parallel import ParallelLayout, destroy_groups, make_dp_groups
-from ftmem._disk.persist import Flusher
+from ftmem._disk.persist import Flusher, FlushTimes
 from ftmem._ec.placement import ec_groups
 from ftmem._state.plan import Planner
 from ftmem._ec.protect import ColumnCoder, Topology, make_column_groups, piece_size
@@ -155,7 +155,13 @@ class SnapshotEngine:
         self.timeline: Optional[str] = None  # of the versions this run saves: set at its resume or first save
         self.memory = SlotMemory(self.store, self._smp, self.config.shm_budget)
         self._restorer = Restorer(self.store, self.memory, self.topology, column, gloo, self.dp_peers, self.layout)
-        self._committer = Committer(self.store, self.memory, column, gloo,
+        arrivals = None
+        if gloo is not None:  # the protection's waits are bounded, and name the ranks that did not come
+            arrivals = Arrivals(self._job_store, f"ftmem/arrivals/{self._run}/rounds", rank, range(world_size))
+            if column is not None:
+                column.arrivals = Arrivals(self._job_store, f"ftmem/arrivals/{self._run}/column", rank,
+                                           [dist.get_global_rank(column.pg, i) for i in range(column.group.n)])
+        self._committer = Committer(self.store, self.memory, column, gloo, arrivals,
                                     lambda record, slot_bytes: self._restorer.read_version(record, slot_bytes,
                                                                                            torch.device("cpu")))
         self._planner = Planner()
@@ -216,7 +222,7 @@ class SnapshotEngine:
         record = CommitRecord(version=version, rank=self.rank, slot=-1, plan=plan, skeleton=skeleton,
                               layout=self.layout, format=self.format, origin=self.identity.origin,
                               lineage=self.lineage, uid=ref.uid, timeline=ref.timeline)
-        handle = SaveHandle(version, ref)
+        handle = SaveHandle(version, ref, copy_bound_s(plan.nbytes))
         sources = taken_now(tensors, written_in_forward)
         self._committer.start(handle, record, sources, capture_cuda_order(sources), persist)
         return handle
@@ -284,8 +290,8 @@ class SnapshotEngine:
         return self._committer.flusher
 
     @property
-    def last_flush(self) -> Optional[tuple[int, float]]:
-        """(bytes this rank wrote, seconds) of the last completed flush; None if none."""
+    def last_flush(self) -> Optional[FlushTimes]:
+        """This rank's part of the last completed flush (bytes, seconds, of them syncing); None if none."""
         flusher = self._committer.flusher
         return flusher.last_flush if flusher is not None else None
 

@@ -5,6 +5,7 @@ import threading
 import time
 from typing import Optional
 
+from ftmem.errors import FtmemError
 from ftmem._shm.slots import VersionRef
 
 
@@ -13,7 +14,9 @@ class SaveHandle:
 
     * ``wait_reusable()``: this rank's bytes are in shared memory (checksumming and
       committing them follow on the copy thread), or the save was skipped; the source
-      tensors may be modified again (call it before the optimizer step).
+      tensors may be modified again (call it before the optimizer step). Without a
+      ``timeout``, at most ``copy_bound_s`` (:func:`ftmem._state.copier.copy_bound_s`): a copy
+      that takes longer is stuck (a device or the machine), and the wait says so.
     * ``wait_protected()``: the job is done with the save: every rank protected it
       (``protected`` is True), or it protected a newer save first, or skipped this one
       (:mod:`ftmem._engine.commit`). The training never needs to wait for this.
@@ -23,8 +26,9 @@ class SaveHandle:
     marker, the wait behind an older version's protection, parity, agreement).
     """
 
-    def __init__(self, version: int, ref: Optional[VersionRef] = None):
+    def __init__(self, version: int, ref: Optional[VersionRef] = None, copy_bound_s: Optional[float] = None):
         self.version = version
+        self.copy_bound_s = copy_bound_s
         self.ref = ref  # the save, told apart from any other of the same number (what stubs record)
         self._reusable = threading.Event()
         self._done = threading.Event()
@@ -42,6 +46,11 @@ class SaveHandle:
         return self._done.is_set()
 
     def wait_reusable(self, timeout: Optional[float] = None) -> None:
+        if timeout is None and self.copy_bound_s is not None:
+            if not self._reusable.wait(self.copy_bound_s):
+                raise FtmemError(f"the copy of version {self.version} into shared memory has not ended within "
+                                 f"{self.copy_bound_s:.0f} s (FTMEM_COPY_TIMEOUT_S, plus a second per 50 MB): a device "
+                                 f"or the machine is stuck. The training cannot go on safely; restart the job.")
         self._wait(self._reusable, timeout, "copying")
 
     def wait_protected(self, timeout: Optional[float] = None) -> None:

@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ftmem.config import seconds_from_env
 from ftmem._state.plan import ReplicaShard, SnapshotPlan, TensorEntry
 
 
@@ -49,6 +50,22 @@ class CudaPinning:
         if ptr in self._registered:
             torch.cuda.cudart().cudaHostUnregister(ptr)
             self._registered.discard(ptr)
+
+
+COPY_TIMEOUT_ENV = "FTMEM_COPY_TIMEOUT_S"
+COPY_TIMEOUT_S = 120.0  # the least a copy may take before a wait for it gives up, whatever its size
+# Bytes a second below which a copy into shared memory counts as stuck: far below any memory's
+# or PCIe link's speed, on a loaded machine too.
+COPY_FLOOR_BYTES_PER_S = 50e6
+
+
+def copy_bound_s(nbytes: int) -> float:
+    """How long a copy of ``nbytes`` into shared memory may take before a wait for it gives
+    up, naming it: a local copy, which no peer holds up, but a stuck device (a GPU off the
+    bus) or a full machine may."""
+    return seconds_from_env(COPY_TIMEOUT_ENV, COPY_TIMEOUT_S, minimum=1,
+                            what="the least a copy into shared memory may take before a wait for it gives up"
+                            ) + nbytes / COPY_FLOOR_BYTES_PER_S
 
 
 def taken_now(tensors: Sequence[torch.Tensor], written_in_forward: Optional[Callable[[torch.Tensor], bool]]) -> list:

@@ -2,7 +2,7 @@
 rank saves a replicated tensor per step, protected, and ends the way ``--end`` says.
 
     python -m tests.harness.lifecycle_job --out DIR --steps N --end WAY [--end-of-rank R=WAY ...] [--persist DIR]
-        [--persist-interval N] [--persist-keep N] [--persist-fsync {on,off}] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
+        [--persist-interval N] [--persist-keep N] [--persist-fsync {on,off}] [--no-failure-detection] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
         [--restore-into {rank-0,every-rank}] [--load-while-saving] [--other-worlds]
 
 ``--end close`` closes the runtime itself, keeping the memory, before it returns; ``--end
@@ -95,6 +95,8 @@ def main() -> None:
     p.add_argument("--persist-interval", type=int, default=1)
     p.add_argument("--persist-fsync", choices=("on", "off"), default="on", help='the tier\'s "fsync" key')
     p.add_argument("--persist-keep", type=int, default=None, help="checkpoints the tier keeps (default: all)")
+    p.add_argument("--no-failure-detection", action="store_true",
+                   help="no failure detector (it would end the others when a test stops a rank)")
     p.add_argument("--destroys-group", action="store_true")
     p.add_argument("--load-version", type=int, default=None,
                    help="resume from this version, named (AdapterRuntime.plan_resume's named), not the newest")
@@ -119,7 +121,8 @@ def main() -> None:
 def train(args, world: int) -> None:
     one_node = args.ranks_per_node == world
     config = FtmemConfig.from_dict({"ranks_per_node": args.ranks_per_node, "ec": {"k": 1, "m": 0 if one_node else 1},
-                                    "shm_dir": os.environ["SHM_DIR"], "persist": {"fsync": args.persist_fsync == "on"}})
+                                    "shm_dir": os.environ["SHM_DIR"], "persist": {"fsync": args.persist_fsync == "on"},
+                                    "failure_detection": {"enabled": not args.no_failure_detection}})
     runtime = AdapterRuntime(config, ParallelLayout.data_parallel(world), TensorFiles(), save_dir=args.out,
                              persist_dir=args.persist, persist_interval=args.persist_interval if args.persist else 0,
                              persist_keep=args.persist_keep)

@@ -430,7 +430,7 @@ class GatedFormat(FrameworkFormat):
     def write_rank(self, state, directory, rank, first_replica, wrote):
         assert self.gate.wait(60)
         torch.save(state["w"], os.path.join(directory, "w.pt"))
-        wrote(os.path.getsize(os.path.join(directory, "w.pt")))
+        wrote(os.path.join(directory, "w.pt"))
 
     def publish(self, root, name):
         with open(os.path.join(root, "newest"), "w") as f:
