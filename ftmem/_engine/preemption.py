@@ -135,11 +135,10 @@ class PreemptionWatch:
         reader, writer = socket.socketpair()
         writer.setblocking(False)
         previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        if previous != -1:  # an event loop's (asyncio's): it keeps it
+        if previous != -1:  # an event loop's (asyncio's): it keeps it, and wakes the main thread itself
             signal.set_wakeup_fd(previous)
-            reader.close(), writer.close()
-            rank_info(rank, "the process's signal wakeup fd is in use: ftmem does not flush on %s", config.signal)
-            return None
+            rank_info(rank, "the process's signal wakeup fd is an event loop's: ftmem hears %s when the main thread "
+                      "runs Python, as the loop's own handlers do", config.signal)
         signal.signal(signum, _noted)
         watch = cls(signum, config.grace_s, rank, on_signal, reader, writer, current)
         _active.append(watch)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from harness.common import job_id
 from harness.ranks import RANK_ENV, REPO, free_port, wait_until
 
@@ -56,6 +58,49 @@ def test_a_handler_the_script_set_first_keeps_the_signal(shm_dir, tmp_path):
     said = open(log).read()
     assert "SIGTERM has a handler of its own" in said and "the script's handler ran" in said, said
     assert "no persistent tier (\"ftmem.persist\") to flush to" not in said
+
+
+ASYNCIO = textwrap.dedent("""
+    import asyncio, signal, sys
+    import torch
+    from ftmem import SnapshotEngine
+
+    def start_engine():
+        engine = SnapshotEngine({"shm_dir": sys.argv[1]})
+        engine.save({"w": torch.ones(4)}, 1).wait_protected()
+        return engine
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine = start_engine() if sys.argv[2] == "loop after ftmem" else None
+        loop.add_signal_handler(signal.SIGINT, lambda: None)  # the loop takes the signal wakeup fd
+        engine = engine or start_engine()
+        print("ready", flush=True)
+        await asyncio.sleep(120)  # the main thread waits in the loop's selector
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("order", ["loop after ftmem", "loop before ftmem"])
+def test_an_event_loop_that_owns_the_signal_wakeup_fd_does_not_keep_ftmem_from_hearing_sigterm(order, shm_dir,
+                                                                                                tmp_path):
+    """asyncio's add_signal_handler takes the wakeup fd. Taken after ftmem's start, ftmem's
+    watch was never woken, and its handler, which leaves the signal to the watch, swallowed
+    SIGTERM: the process ran on. Taken before, ftmem did not handle the signal at all. The
+    loop wakes the main thread for any signal, and ftmem's handler then wakes the watch."""
+    log = str(tmp_path / "rank.log")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", ASYNCIO, shm_dir, order], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, FTMEM_JOB_ID=job_id()))
+    try:
+        wait_until(lambda: "ready" in open(log).read() or proc.poll() is not None, 60, "the engine's first save")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == -signal.SIGTERM
+    finally:
+        proc.kill()
+    said = open(log).read()
+    assert "ftmem: SIGTERM: no persistent tier (\"ftmem.persist\") to flush to" in said, said
 
 
 TEARDOWN = textwrap.dedent("""
