@@ -30,27 +30,26 @@ class StoreGone(RuntimeError):
 
 
 def own_connection(store: dist.Store, wait_s: float) -> dist.Store:
-    """A connection of the caller's own to the TCP store under ``store`` (its keys as
-    ``store`` sees them), whose calls wait at most ``wait_s``: a store client serves one
-    call at a time, and the training's own calls on the default one (a ``get`` of a key a
-    slow rank has not set yet, NCCL's watchdog) may block it for minutes. Where the store is
-    no TCP store (a file's), or this torch cannot clone a store (older releases), ``store`` itself.
+    """A connection of the caller's own to the TCP store under ``store``, whose calls, and
+    whose connecting, wait at most ``wait_s``: a store client serves one call at a time, and
+    the training's own calls on the default one (a ``get`` of a key a slow rank has not set
+    yet, NCCL's watchdog) may block it for minutes. Its keys are the store's own, outside the
+    prefixes ``store`` may add (a launcher's per attempt): callers name theirs by the engine's
+    run, new at each start. Where the store is no TCP store (a file's), ``store`` itself.
 
     Nothing listening at the store's address (its process ended: rank 0 serves it under
-    ``env://``) raises :class:`StoreGone` at once, and nothing answering within ``wait_s``
-    TimeoutError (or the OSError met), where a store client would try to connect again until
-    its own timeout."""
+    ``env://``) raises :class:`StoreGone` at once, where a store client would try to connect
+    again until its timeout."""
     tcp = tcp_store_under(store)
-    if tcp is None or not hasattr(store, "clone"):
+    if tcp is None:
         return store
     try:
         socket.create_connection((tcp.host, tcp.port), timeout=wait_s).close()
     except ConnectionRefusedError as e:
         raise StoreGone(f"{store_name(store)} is gone: nothing listens there any more (the process that served "
                         f"it ended)") from e
-    own = store.clone()
-    own.set_timeout(timedelta(seconds=wait_s))
-    return own
+    return dist.TCPStore(tcp.host, tcp.port, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=wait_s))
 
 
 def store_name(store: dist.Store) -> str:

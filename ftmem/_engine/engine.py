@@ -315,7 +315,8 @@ class SnapshotEngine:
             return
         try:
             why_not = whole_job_told(self.rank, self.identity.world_size, self._dead_here,
-                                     arrival_s(self.config.preemption.grace_s), self._job_store)
+                                     arrival_s(self.config.preemption.grace_s), self._job_store,
+                                     f"ftmem/preemption/{self._run}")
         except Exception as e:  # the job's store went first (the rank that served it died)
             why_not = f"the job's store does not answer ({str(e).splitlines()[0]})"  # (not torch's C++ frames)
         if why_not is not None:  # training went on meanwhile: what memory holds now is what the restart finds

@@ -48,10 +48,7 @@ from ftmem._common.agreement import READ_WAIT_S, Decision
 from ftmem._common.logs import flush_logs, rank_info, rank_warning
 from ftmem.config import PreemptionConfig
 
-# On the job's store, whose prefix is new at each of torchrun's restarts: the ranks that were
-# told to stop, and the answer ("go": flush, or why this is no preemption).
-DECISION_PREFIX = "ftmem/preemption"
-_GO = "go"
+_GO = "go"  # the decision's answer where every rank was told to stop (else why this is no preemption)
 POLL_S = 0.05
 
 
@@ -210,14 +207,15 @@ def end_process(signum: int) -> None:
 
 
 def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]], wait_s: float,
-                   job_store: Optional[dist.Store]) -> Optional[str]:
+                   job_store: Optional[dist.Store], key: str) -> Optional[str]:
     """None if every rank of the job was told to stop within ``wait_s`` (a preemption); else
     why this is none: ranks of this host dead (a teardown after a failure), or ranks that
-    were not told. Decided once, on ``job_store`` (:mod:`ftmem._common.agreement`): every rank
-    follows the first answer, so that no rank flushes while another has gone."""
+    were not told. Decided once, on ``job_store`` under ``key`` (the engine's run's: a store
+    that outlives an attempt holds no decision of an earlier one; :mod:`ftmem._common.agreement`):
+    every rank follows the first answer, so that no rank flushes while another has gone."""
     if world_size == 1:
         return None
-    decision = Decision(job_store, DECISION_PREFIX, rank, world_size, wait_s)
+    decision = Decision(job_store, key, rank, world_size, wait_s)
     end = time.monotonic() + wait_s
     count = decision.arrive()
     while True:

@@ -10,8 +10,9 @@ hang`` waits in ``signal.pause()``, its last version protected, as a rank stuck 
 that never fails by itself (NCCL's, whose peer died), until the test or its failure detector
 ends it. The other ways (:data:`ENDS`) exit with a status: ``exit0``, ``exit1``, ``exit3`` and
 ``exit42`` call ``sys.exit(N)``, ``builtin-exit42`` calls the builtin ``exit(42)``, ``raise``
-raises an uncaught exception, and ``thread-exit3``
-calls ``sys.exit(3)`` in a thread of its own (which ends that thread only) and returns.
+raises an uncaught exception, ``thread-exit3`` calls ``sys.exit(3)`` in a thread of its own
+(which ends that thread only) and returns, and ``store-get`` waits in a ``get`` on the job's
+store of a key nobody sets, as a framework's main thread may (the store's timeout bounds it).
 ``--end-of-rank R=WAY`` ends rank R that way instead of ``--end``'s; with ``--end-after PATH``
 such a rank first waits for PATH to exist (the test makes it once the other ranks are where it
 wants them: in their pause, say). With
@@ -61,7 +62,8 @@ class TensorFiles(FrameworkFormat):
         write_atomically(os.path.join(root, "newest"), name.encode())
 
 
-ENDS = ("return", "exit0", "exit1", "exit3", "exit42", "builtin-exit42", "raise", "close", "hang", "thread-exit3")
+ENDS = ("return", "exit0", "exit1", "exit3", "exit42", "builtin-exit42", "raise", "close", "hang", "thread-exit3",
+        "store-get")
 
 
 def end_of_rank(value: str) -> tuple[int, str]:
@@ -189,6 +191,8 @@ def end(way: str, runtime: AdapterRuntime) -> None:
         runtime.close(job_finished=False)
     if way == "hang":
         signal.pause()
+    if way == "store-get":  # as a framework waits on the store for a key a slow rank has not set yet
+        dist.distributed_c10d._get_default_store().get("lifecycle_job/never-set")
     if way == "thread-exit3":
         thread = threading.Thread(target=sys.exit, args=(3,), name="exits-by-itself")
         thread.start()

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from harness.common import job_id
-from harness.ranks import RANK_ENV, REPO, free_port, wait_until
+from harness.ranks import RANK_ENV, REPO, LocalJob, free_port, wait_until
 
 SCRIPT = textwrap.dedent("""
     import signal, sys, time
@@ -103,22 +103,46 @@ def test_an_event_loop_that_owns_the_signal_wakeup_fd_does_not_keep_ftmem_from_h
     assert "ftmem: SIGTERM: no persistent tier (\"ftmem.persist\") to flush to" in said, said
 
 
+def test_a_main_thread_inside_a_store_get_does_not_keep_the_preemption_from_its_decision(shm_dir, tmp_path):
+    """Both ranks' main threads wait in a ``get`` on the job's store (a framework waiting for a
+    key a slow rank has not set) when SIGTERM comes to every rank. A store client serves one
+    call at a time, so the preemption's decision, made on the default client, waited behind the
+    get until the grace ran out, and nothing was flushed. On a connection of its own it goes
+    through: the newest version reaches the persistent tier, and both ranks end by SIGTERM."""
+    persist, job = tmp_path / "persist", job_id()
+    job_env = {"SHM_DIR": shm_dir}
+    with LocalJob("tests.harness.lifecycle_job", ["--out", str(tmp_path), "--steps", "3", "--persist", str(persist),
+                                                  "--persist-interval", "100", "--end", "store-get"], 2, job,
+                  str(tmp_path), env=job_env) as ranks:
+        ranks.wait_for(lambda: all("ends with store-get" in ranks.log(r) for r in range(2)), 120,
+                       "both main threads in the store's get")
+        for proc in ranks.procs:
+            proc.send_signal(signal.SIGTERM)
+        assert [proc.wait(120) for proc in ranks.procs] == [-signal.SIGTERM] * 2, ranks.tails()
+    assert "flushed version 3 to" in ranks.log(0) and "at SIGTERM" in ranks.log(0), ranks.tails()
+    assert (persist / "newest").read_text() == "v3"
+
+
 TEARDOWN = textwrap.dedent("""
     import os, sys, time
     from datetime import timedelta
     import torch.distributed as dist
-    from ftmem._engine.preemption import DECISION_PREFIX, whole_job_told
+    from ftmem._engine.preemption import whole_job_told
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=60))
     if rank == 1:  # the failure a teardown follows
         os._exit(0)
+    # The decision's keys, as ftmem keeps them: on the store itself, outside the default group's prefix.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          wait_for_workers=False)
     def dead_here():
         if rank == 2:  # a rank that reads /dev/shm slower than rank 0 on a crowded node: after its decision
-            while not dist.distributed_c10d._get_default_store().check([DECISION_PREFIX + "/answer"]):
+            while not store.check(["ftmem/preemption/run/answer"]):
                 time.sleep(0.01)
             time.sleep(0.3)
         return [1]
-    print("decided:", whole_job_told(rank, 3, dead_here, 10.0, dist.distributed_c10d._get_default_store()), flush=True)
+    print("decided:", whole_job_told(rank, 3, dead_here, 10.0, dist.distributed_c10d._get_default_store(),
+                                     "ftmem/preemption/run"), flush=True)
     os._exit(0)  # as the engine ends the process: rank 0's ends the store with it
 """)
 
