@@ -1,42 +1,62 @@
-"""One answer that every rank of the job takes alike, decided once on the job's store.
+"""The one way ranks agree through the job's store: a :class:`Decision`.
 
-A rank that decides alone (to free the job's memory, to flush at a preemption) while another
-decides otherwise leaves the job split. Here the first answer put on the store holds for
-every rank (``compare_set``). Each rank says it came (so that a wait that runs out names the
-ranks that did not), and counts itself among the readers once it has the answer: the rank
-whose process serves the store (rank 0 under the deepspeed launcher and ``env://``; torchrun's
-agent serves it otherwise) ends only once the others have read it, or :data:`READ_WAIT_S`
-passed, since the store ends with that process.
+A rank that decides alone (to free the job's memory, to flush at a preemption, to end on a
+silent node, to go into a collective some ranks may never join) while another decides
+otherwise leaves the job split. A decision is a few keys under a prefix of its own:
 
-Every call waits a bounded time, on a connection of its own
-(:func:`ftmem._common.job_store.own_connection`): the training's calls on the default client
-never hold it up, and a store that is gone fails it at once. The keys live under a prefix of
-the caller's that is new for each decision of each run, so that a store that outlives an
-attempt (torchrun's agent's) holds no answer of an earlier one.
+* each rank says it came (``arrive``), so that a wait that runs out names the ranks that did
+  not (``missing``);
+* the first answer put holds for every rank (``propose``: ``compare_set``), whenever a rank
+  comes, so that a rank late to a decision taken without it follows it too;
+* each rank counts itself among the readers once it has the answer (``read``), so that a rank
+  whose end would end the store (its process serves it: rank 0 under the deepspeed launcher and
+  ``env://``; torchrun's agent serves it otherwise) or the others' collectives can wait until
+  they have read it (``until_read``), bounded, rather than leave them to find only that the store
+  is gone.
+
+Every wait is bounded by the caller, and names who did not come. The prefix must be new for
+each decision: under a run's id (new at each start of the engine, the same on every rank) on a
+connection of the caller's own (:meth:`Decision.own`: outside the prefixes a launcher adds per
+attempt), or a counter's on the default store, whose prefix is the attempt's. Stale keys of an
+earlier attempt are never read.
 """
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 
 from ftmem._common.job_store import own_connection, served_here, until_counted
 
-READ_WAIT_S = 2.0  # for the others to read the answer, where this process serves the store
+# How long a rank whose process serves the store waits for the others to read an answer
+# before its process ends (and the store with it): they poll every beat or 50 ms.
+READ_WAIT_S = 2.0
 _AGREED = "agreed"
 
 
 class Decision:
-    """One decision among ``world_size`` ranks, under ``prefix`` on the job's ``store``."""
+    """One decision of the ranks ``ranks`` (all ``world_size`` of the job by default) under
+    ``prefix`` on ``store``; ``rank`` is this one."""
 
-    def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int, wait_s: float):
-        """Each call on the store waits at most ``wait_s``."""
+    def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int,
+                 ranks: Optional[Sequence[int]] = None):
         self.rank, self.world_size = rank, world_size
-        #: this process serves the store, which ends with it
-        self.serves_the_store = served_here(store)
-        self._store = own_connection(store, wait_s)
-        self._key = prefix.rstrip("/") + "/"
+        self.ranks = list(range(world_size)) if ranks is None else list(ranks)
+        self._store, self._key = store, prefix.rstrip("/") + "/"
+
+    @functools.cached_property
+    def serves_the_store(self) -> bool:
+        """This process serves the store, which ends with it (read off /proc once, where asked)."""
+        return served_here(self._store)
+
+    @classmethod
+    def own(cls, job_store: dist.Store, prefix: str, rank: int, world_size: int, wait_s: float,
+            ranks: Optional[Sequence[int]] = None) -> "Decision":
+        """A decision on a connection of its own to ``job_store``, each call bounded by
+        ``wait_s`` (:func:`ftmem._common.job_store.own_connection`); ``prefix`` must name the run."""
+        return cls(own_connection(job_store, wait_s), prefix, rank, world_size, ranks)
 
     def arrive(self) -> int:
         """Say that this rank came; how many ranks have, this one included."""
@@ -47,12 +67,16 @@ class Decision:
         """How many ranks have come."""
         return self._store.add(self._key + "arrivals", 0)
 
+    def missing(self) -> list[int]:
+        """The ranks that have not come (this one aside)."""
+        return [r for r in self.ranks if r != self.rank and not self._store.check([self._key + f"arrived/{r}"])]
+
     def answered(self) -> bool:
         return self._store.check([self._key + "answer"])
 
-    def missing(self) -> list[int]:
-        """The ranks that have not come."""
-        return [r for r in range(self.world_size) if not self._store.check([self._key + f"arrived/{r}"])]
+    def answer(self) -> str:
+        """The answer that holds (one must)."""
+        return self._store.get(self._key + "answer").decode()
 
     def propose(self, answer: str) -> str:
         """The answer that holds: ``answer``, unless another was put first."""
@@ -65,26 +89,36 @@ class Decision:
         except RuntimeError:  # the wait ran out (DistStoreError); a store gone fails the check too
             if not self.answered():
                 return None
-        return self._store.get(self._key + "answer").decode()
+        return self.answer()
 
-    def read(self, live: int) -> int:
+    def read(self, live: Optional[int] = None) -> int:
         """Count this rank among those that read the answer; where this process serves the
-        store, wait until ``live`` ranks have (at most READ_WAIT_S). How many had."""
+        store and ``live`` ranks are to read it, wait until they have (at most READ_WAIT_S),
+        since the store ends with this process. How many had read it."""
         read = self._store.add(self._key + "read", 1)
-        if self.serves_the_store and read < live:
-            read = until_counted(self._store, self._key + "read", live, READ_WAIT_S)
+        if live is not None and self.serves_the_store and read < live:
+            read = self.until_read(live, READ_WAIT_S)
         return read
 
+    def until_read(self, live: int, wait_s: float) -> int:
+        """Until ``live`` ranks have read the answer, at most ``wait_s``; how many had."""
+        return until_counted(self._store, self._key + "read", live, wait_s)
 
-def unanimous(store: Optional[dist.Store], prefix: str, rank: int, world_size: int, objection: Optional[str],
+    def forget(self) -> None:
+        """Take the decision's keys off the store (every rank is done with it)."""
+        for key in [f"arrived/{r}" for r in self.ranks] + ["arrivals", "answer", "read"]:
+            self._store.delete_key(self._key + key)
+
+
+def unanimous(job_store: Optional[dist.Store], prefix: str, rank: int, world_size: int, objection: Optional[str],
               wait_s: float) -> Optional[str]:
     """None if every rank comes within ``wait_s`` without an objection; else the objection
     that holds for every rank: the first one put (``rank R: <objection>``), or the ranks that
     did not come. A rank with an objection does not wait for the others: its answer is known.
-    ``store`` None: one rank alone."""
-    if store is None or world_size == 1:
+    On a connection of its own to ``job_store`` (None: one rank alone), under ``prefix`` (the run's)."""
+    if job_store is None or world_size == 1:
         return None if objection is None else f"rank {rank}: {objection}"
-    decision = Decision(store, prefix, rank, world_size, wait_s)
+    decision = Decision.own(job_store, prefix, rank, world_size, wait_s)
     came = decision.arrive()
     if objection is not None:
         held = decision.propose(f"rank {rank}: {objection}")

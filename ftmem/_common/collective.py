@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ftmem._common import testhooks
+from ftmem._common.agreement import Decision
 from ftmem._common.job_store import own_connection
 from ftmem.config import INTERFACE_ENV, seconds_from_env
 from ftmem.errors import CollectiveNotJoined, ConfigError
@@ -83,14 +84,16 @@ def posted_within(group: dist.ProcessGroup, bound_s: float) -> Iterator[float]:
 
 
 class Arrivals:
-    """The ranks of ``ranks`` that came to each collective of one kind (their n-th), told
-    apart only where one is slow: a rank that has waited NOTE_AFTER_S says on the job's store
-    that it came (a connection of its own, made then), and one whose wait runs out names the
-    ranks that had not. Every rank of ``ranks`` must make the same collectives of the kind, in
-    one order (the protection's rounds; a column's exchanges)."""
+    """The bounded wait of collectives that ranks reach on threads of their own (the
+    protection's rounds; a column's exchanges), which names the ranks that did not come: a rank
+    that has waited NOTE_AFTER_S for its n-th collective of the kind says so in a
+    :class:`~ftmem._common.agreement.Decision` of that collective on the job's store (a connection
+    of its own, made then), and one whose wait runs out names the ranks of ``ranks`` that had
+    not. Every rank of ``ranks`` must make the same collectives of the kind, in one order."""
 
     def __init__(self, job_store: Optional[dist.Store], key: str, rank: int, ranks: Sequence[int]):
-        self.rank, self.ranks, self._key = rank, list(ranks), key.rstrip("/") + "/"
+        """``key`` names the run and the kind (the decisions' prefix)."""
+        self.rank, self.ranks, self._key = rank, list(ranks), key.rstrip("/")
         self._job_store, self._store = job_store, None
         self._made = 0
 
@@ -111,30 +114,30 @@ class Arrivals:
                     if work.is_completed() and not ran_out:  # it failed: no wait for latecomers
                         raise
                     if ran_out:
-                        raise self._not_joined(what, bound_s) from None
+                        raise CollectiveNotJoined(
+                            f"{what}: {self._named()} did not come within {bound_s:g} s ({TIMEOUT_ENV} sets how far "
+                            f"apart the ranks may come); they died, hang, or no longer save the same versions. The "
+                            f"failure detector ends a job whose rank died or hangs; restart the job.") from None
                 noted = noted or self._note()
+
+    def _arrivals(self) -> Decision:
+        """The decision of this rank's current collective of the kind."""
+        if self._store is None:
+            self._store = own_connection(self._job_store, NOTE_AFTER_S)
+        return Decision(self._store, f"{self._key}/{self._made}", self.rank, len(self.ranks), self.ranks)
 
     def _note(self) -> bool:
         try:
-            if self._store is None:
-                self._store = own_connection(self._job_store, NOTE_AFTER_S)
-            self._store.set(self._key + str(self.rank), str(self._made))
+            self._arrivals().arrive()
         except Exception:  # no store to say it on (one rank, a store gone): the wait names nobody
             pass
         return True
 
-    def _not_joined(self, what: str, bound_s: float) -> CollectiveNotJoined:
+    def _named(self) -> str:
         try:
-            behind = [r for r in self.ranks if r != self.rank and
-                      (not self._store.check([self._key + str(r)]) or int(self._store.get(self._key + str(r))) <
-                       self._made)]
-            who = f"ranks {behind}" if behind else "some ranks"
-        except Exception:  # the store itself is gone: nothing to tell
-            who = "some ranks"
-        return CollectiveNotJoined(
-            f"{what}: {who} did not come within {bound_s:g} s ({TIMEOUT_ENV} sets how far apart the ranks may come); "
-            f"they died, hang, or no longer save the same versions. The failure detector ends a job whose rank died "
-            f"or hangs; restart the job.")
+            return _named(self._arrivals())
+        except Exception:  # no connection to the store: nothing to tell
+            return "some ranks"
 
 
 def gather_bytes(payload: bytes, group: dist.ProcessGroup, arrivals: Arrivals, what: str) -> list[bytes]:
@@ -173,15 +176,17 @@ def new_group(ranks: Optional[Sequence[int]] = None, *, interface: Optional[str]
     options = None if interface is None else _bound_to(interface)
     made = next(_groups_made)
     testhooks.at("new_group", dist.get_rank(), made - 1)
-    _arrived(made)
+    # On the default store, whose prefix is the launch attempt's (the engine's run has no id yet).
+    arrivals = Decision(dist.distributed_c10d._get_default_store(), f"ftmem/group_arrivals/{made}", dist.get_rank(),
+                        dist.get_world_size())
+    arrivals.arrive()
     wait_s = collective_timeout_s()
     try:
         group = dist.new_group(ranks=sorted(ranks) if ranks is not None else None,
                                backend="gloo" if options is None else BOUND_GLOO, pg_options=options,
                                timeout=timedelta(seconds=wait_s))
     except Exception as e:  # torch's store barrier or gloo's connect ran out (DistStoreError, RuntimeError)
-        missing = _behind(made)
-        who = f"ranks {missing}" if missing else "some ranks"
+        who = _named(arrivals)
         raise CollectiveNotJoined(
             f"ftmem's process groups could not be made: {who} did not come within {wait_s:g} s ({TIMEOUT_ENV} sets "
             f"the wait), as a rank that died or hangs during the job's start does. Nothing in shared memory was "
@@ -220,24 +225,10 @@ def _make_bound_gloo(made: "dist.distributed_c10d._DistributedBackendOptions",
     return group
 
 
-def _key(rank: int) -> str:
-    return f"ftmem/group_arrivals/{rank}"
-
-
-def _arrived(made: int) -> None:
-    """Say on the job's store that this rank has come to make ftmem's ``made``-th group."""
-    dist.distributed_c10d._get_default_store().set(_key(dist.get_rank()), str(made))
-
-
-def _behind(made: int) -> list[int]:
-    """The other ranks that have not come to make the ``made``-th group (as far as the store can tell)."""
-    store = dist.distributed_c10d._get_default_store()
-    behind = []
-    for rank in range(dist.get_world_size()):
-        try:
-            done = int(store.get(_key(rank))) if store.check([_key(rank)]) else 0
-        except Exception:  # the store itself is gone (its host died): nothing to tell
-            return []
-        if done < made and rank != dist.get_rank():
-            behind.append(rank)
-    return behind
+def _named(arrivals: Decision) -> str:
+    """The ranks that did not come to ``arrivals``, in words (as far as the store can tell)."""
+    try:
+        missing = arrivals.missing()
+    except Exception:  # the store itself is gone (its host died): nothing to tell
+        missing = []
+    return f"ranks {missing}" if missing else "some ranks"

@@ -9,8 +9,8 @@ in a debugger go on beating; a process stopped whole (SIGSTOP, gdb) or gone does
 rank watches one other, the same local rank on the next node (:func:`watched_rank`), so that
 every rank is watched from another host and the store serves a few operations per rank and
 interval, whatever the job's size. A rank whose watched rank's counter has not moved for the
-timeout puts its verdict on the store (``compare_set``: the first verdict holds), every rank
-reads it at its next beat, logs one line naming the node and ends its process with
+timeout puts its verdict on the store, a :class:`~ftmem._common.agreement.Decision` (the first
+verdict holds), every rank reads it at its next beat, logs one line naming the node and ends its process with
 :data:`EXIT_CODE`; the rank that put it there ends once the live ranks have read it (at most
 two beats): its end may end the store (rank 0 serves it, where the launcher does not) and
 break the others' collectives, and a rank that had not read the verdict would end on that,
@@ -47,7 +47,8 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ftmem._common import exit_status
-from ftmem._common.job_store import StoreGone, own_connection, store_name, until_counted
+from ftmem._common.agreement import Decision
+from ftmem._common.job_store import StoreGone, own_connection, store_name
 from ftmem._common.logs import flush_logs, log, rank_error
 
 # EX_TEMPFAIL: the job failed, and restarting it is the remedy (any code but 0 makes the
@@ -135,15 +136,16 @@ class FailureDetector:
         return self._key + f"alive/{rank}"
 
     def _beat(self) -> None:
-        own, watched, verdict = self._counter(self.rank), self._counter(self.watched), self._key + "verdict"
+        own, watched = self._counter(self.rank), self._counter(self.watched)
         counted = False  # this rank among those that read the verdict (once, whatever fails after)
         while not self._stopped.is_set():
             try:
                 self._store.add(own, 1)
                 count = self._store.add(watched, 0)
-                said = self._store.get(verdict).decode() if self._store.check([verdict]) else None
+                verdict = self._verdict_decision()
+                said = verdict.answer() if verdict.answered() else None
                 if said is not None and not counted:
-                    self._store.add(self._key + "verdict_read", 1)
+                    verdict.read()
                     counted = True
                 if self._watched_host is None and count > 0:  # it set its host before its first beat
                     self._watched_host = self._store.get(self._key + f"host/{self.watched}").decode()
@@ -207,13 +209,17 @@ class FailureDetector:
                 self._until_read()
                 self._end(verdict)
 
+    def _verdict_decision(self) -> Decision:
+        """The job's verdict, on the beats' connection of the moment."""
+        return Decision(self._store, self._key + "verdict", self.rank, self._world_size)
+
     def _publish(self, verdict: str) -> str:
         """Put ``verdict`` on the store for every rank; the verdict that holds there (an earlier
         one, another rank's, wins). Bounded: a store that does not take it leaves it this rank's."""
         held = [verdict]
 
         def put() -> None:
-            held[0] = self._store.compare_set(self._key + "verdict", "", verdict).decode()
+            held[0] = self._verdict_decision().propose(verdict)
 
         putter = threading.Thread(target=put, name="ftmem-failure-verdict", daemon=True)
         putter.start()
@@ -226,7 +232,7 @@ class FailureDetector:
         live = self._world_size - (1 if self._world_size <= self._ranks_per_node else self._ranks_per_node)
         wait_s = 2 * self.interval_s
         try:
-            read = until_counted(self._store, self._key + "verdict_read", live, wait_s)
+            read = self._verdict_decision().until_read(live, wait_s)
         except Exception as e:  # the store went meanwhile: nobody else can read it now
             log.debug("rank %d: could not count the ranks that read the verdict (%s)", self.rank, e)
             return

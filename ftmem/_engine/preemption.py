@@ -215,7 +215,7 @@ def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]
     every rank follows the first answer, so that no rank flushes while another has gone."""
     if world_size == 1:
         return None
-    decision = Decision(job_store, key, rank, world_size, wait_s)
+    decision = Decision.own(job_store, key, rank, world_size, wait_s)
     end = time.monotonic() + wait_s
     count = decision.arrive()
     while True:

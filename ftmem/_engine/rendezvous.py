@@ -12,15 +12,15 @@ rendezvous raises at once instead of waiting for ranks that have given up.
 """
 from __future__ import annotations
 
-import datetime
 import itertools
 
 import torch.distributed as dist
 
+from ftmem._common.agreement import Decision
 from ftmem._common.collective import TIMEOUT_ENV, collective_timeout_s
 from ftmem.errors import CollectiveNotJoined
 
-_GO, _ABANDONED = b"go", b"abandoned"
+_GO, _ABANDONED = "go", "abandoned"
 _calls = itertools.count()  # every rank joins the same rendezvous in the same order
 
 
@@ -29,28 +29,21 @@ def everyone_joins(what: str, advice: str) -> None:
     meets the others' n-th); raise CollectiveNotJoined, naming the ranks that did not
     come, if some did not within :func:`collective_timeout_s`. ``what`` names the
     collective, ``advice`` says what to do instead."""
-    store = dist.distributed_c10d._get_default_store()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    prefix = f"ftmem/rendezvous/{next(_calls)}/"
-    store.set(f"{prefix}{rank}", b"")
+    # On the default store, whose prefix is the launch attempt's: the call counter names the rest.
+    decision = Decision(dist.distributed_c10d._get_default_store(), f"ftmem/rendezvous/{next(_calls)}",
+                        dist.get_rank(), dist.get_world_size())
     timeout_s = collective_timeout_s()
-    arrivals = [f"{prefix}{r}" for r in range(world)]
-    try:
-        store.wait(arrivals, datetime.timedelta(seconds=timeout_s))
-    except RuntimeError:
-        # A wait that runs out raises DistStoreError from a TCPStore but a plain RuntimeError
-        # ("Wait timeout") from a FileStore (init_method="file://..."): which ranks came
-        # decides, not the error's type. A store that fails outright fails the check too.
-        pass
-    proposal = _GO if store.check(arrivals) else _ABANDONED
-    if store.compare_set(f"{prefix}decision", b"", proposal) == _GO:
+    if decision.arrive() == decision.world_size:
+        held = decision.propose(_GO)
+    else:
+        held = decision.wait(timeout_s) or decision.propose(_ABANDONED)
+    if held == _GO:
         # The last rank through takes the rendezvous's keys off the store: no rank waits on
-        # them any more. (An abandoned one keeps its few keys: a late rank reads the decision.)
-        if store.add(f"{prefix}through", 1) == world:
-            for key in [f"{prefix}{r}" for r in range(world)] + [f"{prefix}decision", f"{prefix}through"]:
-                store.delete_key(key)
+        # them any more. (An abandoned one keeps its few keys: a late rank reads the answer.)
+        if decision.read() == decision.world_size:
+            decision.forget()
         return
-    missing = [r for r in range(world) if not store.check([f"{prefix}{r}"])]
+    missing = decision.missing()
     raise CollectiveNotJoined(
         f"{what} is a collective: every rank of the job must make it at the same point, as load_checkpoint does, "
         f"but {'ranks ' + str(missing) if missing else 'some ranks'} did not within {timeout_s:g} s "

@@ -35,7 +35,7 @@ def one_line_refusal(out) -> str:
     ({"persist": {"dir": "/tmp/p", "interval": 1, "keep": "2"}}, '"ftmem.persist.keep" must be an integer from 1 to 1,000,000,000, got "2".'),
     ({"persist": {"dir": "/tmp/p", "interval": 1, "keep": None}}, '"ftmem.persist.keep" must be an integer from 1 to 1,000,000,000, got null.'),
     ({"persist": {"dir": 7, "interval": 1}}, '"ftmem.persist.dir" must be a string (or leave it out), got 7.'),
-    ({"persist": [1]}, '"ftmem.persist" must be an object with the keys dir, interval, keep, got [1].'),
+    ({"persist": [1]}, '"ftmem.persist" must be an object with the keys dir, interval, keep, fsync, got [1].'),
     ({"shm_dir": None}, '"ftmem.shm_dir" must be a string, got null.'),
     ({"job_id": 123}, '"ftmem.job_id" must be a job id of 1-128 letters, digits, \'.\', \'_\' and \'-\', other than '
                       '\'.\' and \'..\' (or leave it out), got 123.'),

@@ -368,7 +368,8 @@ def test_a_rerun_into_the_same_save_dir_resumes_its_newest_state_never_an_earlie
 @pytest.mark.parametrize("ftmem, message", [
     ({"ranks_per_nod": 1}, "unknown key 'ranks_per_nod' in the \"ftmem\" config. Did you mean 'ranks_per_node'?"),
     ({"ec": {"k": 3, "m": 1}}, "needs groups of 4 nodes, but the job has 3 node(s)"),
-    ({"persist": {"dir": "ckpt", "interval": "3"}}, '"ftmem.persist.interval" must be an integer >= 0, got "3".'),
+    ({"persist": {"dir": "ckpt", "interval": "3"}},
+     '"ftmem.persist.interval" must be an integer from 0 to 1,000,000,000, got "3".'),
 ])
 def test_bad_ftmem_section_fails_at_initialize_with_the_reason(ftmem, message, shm_dir, tmp_path):
     job = DSJob("zero1.json", 3, shm_dir, str(tmp_path), ftmem=ftmem)

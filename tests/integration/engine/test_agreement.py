@@ -1,0 +1,112 @@
+"""The one way ranks agree through the job's store (ftmem/_common/agreement.py), at its edges:
+the rank whose process serves the store ending first, a stale answer of an earlier attempt, a
+rank late to a decision taken without it, a wait that runs out, an objection that does not
+wait. On a real TCP store, with real processes where one's end is the point."""
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from harness.ranks import REPO, free_port
+from ftmem._common.agreement import Decision, unanimous
+
+READERS = textwrap.dedent("""
+    import os, sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from ftmem._common.agreement import Decision
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    decision = Decision(store, "ftmem/test/run", rank, 3)
+    if rank == 0:
+        decision.propose("flush")
+        print("rank 0: read by", decision.read(live=3), flush=True)
+        os._exit(0)  # as a rank ends by its signal: the store it serves ends with it
+    while not decision.answered():  # as a rank that polls
+        time.sleep(0.05)
+    time.sleep(0.3 * rank)  # slow to read, as a crowded node's rank is
+    print(f"rank {rank}: read", decision.answer(), decision.read(), flush=True)
+""")
+
+
+def test_the_rank_that_serves_the_store_ends_only_once_the_others_have_read_the_answer():
+    """Rank 0's process serves the store and ends right after its decision, as a rank does at
+    a signal. The others, slow to read, must get the answer, not find the store gone."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", READERS, str(rank), str(port)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(3)]
+    try:
+        said = [proc.communicate(timeout=60)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert "rank 0: read by 3" in said[0], said
+    assert "rank 1: read flush" in said[1] and "rank 2: read flush" in said[2], said
+
+
+def store_and_clients(n: int) -> tuple:
+    """A TCP store served here, and ``n`` clients of it (a rank's each)."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    clients = [dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=30)) for _ in range(n)]
+    return server, clients
+
+
+def test_an_answer_of_an_earlier_attempt_is_never_read_as_this_one_s():
+    """A store that outlives an attempt (torchrun's agent's) holds the last attempt's answer;
+    a decision is named by its run, and the new run's sees nothing of it."""
+    server, (old, new) = store_and_clients(2)
+    Decision(old, "ftmem/preemption/run-1", 0, 2).propose("rank(s) [1] of this host had died first")
+    fresh = Decision(new, "ftmem/preemption/run-2", 0, 2)
+    assert not fresh.answered() and fresh.arrivals() == 0 and fresh.missing() == [1]
+    assert fresh.propose("go") == "go"
+
+
+def test_a_rank_late_to_a_decision_taken_without_it_follows_that_answer():
+    """Rank 1 gave up waiting and put its answer; rank 0, late, proposes another and gets
+    rank 1's: every rank takes the first answer, whenever it comes."""
+    server, (early, late) = store_and_clients(2)
+    first = Decision(early, "ftmem/rendezvous/0", 1, 2)
+    first.arrive()
+    assert first.wait(0.2) is None
+    assert first.propose("abandoned") == "abandoned"
+    second = Decision(late, "ftmem/rendezvous/0", 0, 2)
+    assert second.arrive() == 2 and second.propose("go") == "abandoned"
+
+
+def test_a_wait_that_runs_out_names_the_ranks_that_did_not_come():
+    server, (client,) = store_and_clients(1)
+    decision = Decision(client, "ftmem/end/run", 1, 4)
+    decision.arrive()
+    started = time.monotonic()
+    assert decision.wait(0.5) is None and time.monotonic() - started < 10
+    assert decision.missing() == [0, 2, 3]
+
+
+def test_a_rank_with_an_objection_does_not_wait_and_every_rank_gets_the_first_objection():
+    """The job's end: a rank that failed objects at once, without waiting for the others; the
+    ranks that finished, arriving later, all get its objection; none waits the whole bound."""
+    server, _ = store_and_clients(0)
+    answers, took = {}, {}
+
+    def rank_ends(rank: int, objection) -> None:
+        time.sleep(0.2 * rank)
+        started = time.monotonic()
+        answers[rank] = unanimous(server, "ftmem/end/run", rank, 3, objection, 30.0)
+        took[rank] = time.monotonic() - started
+
+    threads = [threading.Thread(target=rank_ends, args=(rank, "it ended with sys.exit(3)" if rank == 0 else None))
+               for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert answers == {r: "rank 0: it ended with sys.exit(3)" for r in range(3)}, answers
+    assert max(took.values()) < 10, took  # the bound was 30 s
+    assert unanimous(server, "ftmem/end/run-2", 0, 1, None, 30.0) is None  # one rank alone
