@@ -21,7 +21,8 @@ from importlib.metadata import entry_points
 from typing import Optional
 
 from ftmem._shm import jobs
-from ftmem._ec import capacity, survival
+from ftmem import capacity
+from ftmem._ec import survival
 from ftmem.config import DP_SHARD_CHOICES, MAX_COUNT, MAX_EC_NODES, SHM_DIR_ADVICE, shm_dir_problem
 from ftmem.errors import ConfigError, FtmemError
 from ftmem._common.identity import check_job_id, job_root

@@ -66,8 +66,8 @@ from ftmem._ec.protect import ColumnCoder
 from ftmem._shm.slot_memory import SlotMemory
 from ftmem._shm.slots import DATA, PARITY, CommitRecord, RankStore
 
-# Reads a whole version into private CPU memory (collective over the DP group).
-ReadVersion = Callable[[CommitRecord, torch.Tensor], Any]
+# Copies a whole version out of its slot into private CPU memory (collective over the DP group).
+CopyOut = Callable[[CommitRecord, torch.Tensor], Any]
 LAG_SUMMARY_S = 60.0  # the lag log's lines after its first two: at most one this often
 
 
@@ -163,10 +163,10 @@ class Lag:
 
 class Committer:
     def __init__(self, store: RankStore, memory: SlotMemory, column: Optional[ColumnCoder],
-                 gloo: Optional[dist.ProcessGroup], arrivals: Optional[Arrivals], read_version: ReadVersion):
+                 gloo: Optional[dist.ProcessGroup], arrivals: Optional[Arrivals], copy_out: CopyOut):
         """``arrivals``: those of the job's rounds (None on one rank)."""
         self.store, self.memory = store, memory
-        self._column, self._gloo, self._read_version = column, gloo, read_version
+        self._column, self._gloo, self._copy_out = column, gloo, copy_out
         self._arrivals = arrivals
         self.flusher: Optional[Flusher] = None
         # The saves to copy, in order, for a daemon thread of ftmem's: not a ThreadPoolExecutor,
@@ -521,7 +521,7 @@ class Committer:
     def flush_now(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
         """Write ``record``'s version to the persistent tier and wait for it (collective;
         both threads are idle). Raises if it could not be written."""
-        self.flusher.start(record.version, self._read_version(record, slot_bytes))
+        self.flusher.start(record.version, self._copy_out(record, slot_bytes))
         self.flusher.wait()
         self.flusher.raise_failure()
 
@@ -536,4 +536,4 @@ class Committer:
             job_info("version %d not flushed: the previous flush is still running (the disk is slower than "
                      "persist.interval saves)", record.version)
             return
-        self.flusher.start(record.version, self._read_version(record, slot_bytes))
+        self.flusher.start(record.version, self._copy_out(record, slot_bytes))

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ftmem._shm import integrity
 from ftmem._state.checksum import data_checksum
 from ftmem._ec.codec import Codec
-from ftmem._state.copier import joined_stream, read_from_slot
+from ftmem._state.reader import joined_stream, read_from_slot
 from ftmem.errors import CorruptShard, EcGeometryMismatch, LayoutMismatch, NotRecoverableFromMemory
 from ftmem._common.identity import RankIdentity, job_root, world_in_words
 from ftmem._shm.jobs import free_node, node_ranks

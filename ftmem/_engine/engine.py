@@ -162,7 +162,7 @@ class SnapshotEngine:
                 column.arrivals = Arrivals(self._job_store, f"ftmem/arrivals/{self._run}/column", rank,
                                            [dist.get_global_rank(column.pg, i) for i in range(column.group.n)])
         self._committer = Committer(self.store, self.memory, column, gloo, arrivals,
-                                    lambda record, slot_bytes: self._restorer.read_version(record, slot_bytes,
+                                    lambda record, slot_bytes: self._restorer.copy_out(record, slot_bytes,
                                                                                            torch.device("cpu")))
         self._planner = Planner()
         self.lineage: Optional[VersionRef] = None  # recorded in each version (CommitRecord.lineage)
@@ -212,7 +212,7 @@ class SnapshotEngine:
         replica = (self.dp_peers.ranks.index(self.rank), len(self.dp_peers.ranks))
         plan = self._planner.plan(tensors, flags, replica)
         if self._saved_at_or_after(version):
-            self.wait_idle()
+            self.wait_protected()
             self.store.drop_from(version)
             self._committer.forget_from(version)
         self.memory.reserve(plan.nbytes, self._parity_estimate(plan.nbytes))
@@ -251,20 +251,18 @@ class SnapshotEngine:
 
     def wait_protected(self) -> None:
         """Until every save so far is protected by every rank, or passed over for a newer one
-        that is (re-raises the error of a save that failed). Training never needs this: an
-        end of the job, a restore, a flush do."""
-        self._committer.drain()
-
-    def wait_idle(self) -> None:
-        """Until the copy and protection threads are idle (every save protected or passed over, its flush
-        handed over): only then may another thread use ftmem's groups, which the protection
-        thread's collectives would otherwise reach in another order on each rank (one rank's
-        all_reduce met another's all_gather: a hang, or numbers taken from the wrong call)."""
+        that is (re-raises the error of a save that failed), and the copy and protection
+        threads are idle, any flush handed over. Training never needs this: an end of the job,
+        a restore, a flush do; and so does any other use of ftmem's groups, which the
+        protection thread's collectives would otherwise reach in another order on each rank
+        (one rank's all_reduce met another's all_gather: a hang, or numbers taken from the
+        wrong call)."""
         self._committer.drain()
 
     @property
-    def protected(self) -> Optional[int]:
-        """The newest version saved and protected job-wide, or resumed from."""
+    def anchor(self) -> Optional[int]:
+        """The version a crash of this job leaves at least: the newest saved and protected
+        job-wide, or, until one is, the version this run resumed from."""
         return self._committer.anchor
 
     @property
@@ -280,7 +278,7 @@ class SnapshotEngine:
         """Until every save so far is protected and any flush it started is on disk.
         Without a persistent tier: until every save is protected. Raises if the last flush
         failed (the training itself went on: memory still protects the version)."""
-        self.wait_idle()
+        self.wait_protected()
         if self._committer.flusher is not None:
             self._committer.flusher.wait()
             self._committer.flusher.raise_failure()
@@ -300,9 +298,9 @@ class SnapshotEngine:
         there already (collective: every rank; at the end of a job). Raises if it fails."""
         flusher = self.flusher
         self.wait_flushed()
-        if flusher is None or self.protected is None or flusher.flushed_version == self.protected:
+        if flusher is None or self.anchor is None or flusher.flushed_version == self.anchor:
             return
-        record = self.store.read_commit(self.protected)
+        record = self.store.read_commit(self.anchor)
         self._committer.flush_now(record, self.memory.bytes_of(record.slot))
 
     def _on_preemption(self, signum: int, deadline: float) -> None:
@@ -384,7 +382,7 @@ class SnapshotEngine:
         """The restore's first phase (collective): the version agreed on, checked and rebuilt,
         nothing copied yet (:meth:`ftmem._engine.restore.Restorer.choose`); None for a fresh job.
         With ``timeline``, versions of any other are not candidates."""
-        self.wait_idle()  # the saves in flight are done with, and the protection thread leaves the groups to this one
+        self.wait_protected()  # the saves in flight are done with, and the protection thread leaves the groups to this one
         return self._restorer.choose(version, timeline)
 
     def versions_off(self, timeline: str) -> list[int]:

@@ -4,7 +4,7 @@ back from the replicas, and hand out private tensors.
 
 Everything here is collective. A restore runs at restart, on the training thread, with
 the DP gather in a thread beside its copy; the persistent tier's flush reads a version
-through :meth:`Restorer.read_version` too, on whichever thread flushes.
+through :meth:`Restorer.copy_out` too, on whichever thread flushes.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ftmem._shm import integrity
 from ftmem._common import testhooks
 from ftmem._state.checksum import data_checksum
-from ftmem._state.copier import read_from_slot
+from ftmem._state.reader import read_from_slot
 from ftmem._state.destinations import destinations, saved_shape
 from ftmem.errors import CorruptShard, FtmemError, LayoutMismatch, NotRecoverableFromMemory
 from ftmem._common.collective import all_problems, gather
@@ -284,7 +284,7 @@ class Restorer:
         else fresh memory; drop the newer versions unless ``drop_newer`` is False."""
         record, times = chosen.record, chosen.times
         saved = chosen.saved if into is not None else None
-        state = self.read_version(record, self.memory.bytes_of(record.slot), device, times, saved, into)
+        state = self.copy_out(record, self.memory.bytes_of(record.slot), device, times, saved, into)
         if drop_newer:
             self.store.drop_from(record.version + 1)
         rank_info(self.rank, "restore of version %d took %.3f s: agreeing and checking %.3f s, rebuilding %.3f s, "
@@ -303,8 +303,8 @@ class Restorer:
                 f"memory held version(s) {held} of this job, but no rank has intact data of any of them (each "
                 f"rank's log names the damaged files it dropped). Fall back to a disk checkpoint.")
 
-    def read_version(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device,
-                     times: Optional[RestoreTimes] = None, saved: Any = None, into: Any = None) -> Any:
+    def copy_out(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device,
+                 times: Optional[RestoreTimes] = None, saved: Any = None, into: Any = None) -> Any:
         """The whole state of a version, in private memory on ``device`` (into the tensors
         ``into`` names for the version's ``saved`` shape, where they fit:
         :mod:`ftmem._state.destinations`); a DP-sharded one is

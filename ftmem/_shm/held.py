@@ -18,7 +18,7 @@ import torch
 
 from ftmem._shm import integrity, jobs
 from ftmem._shm.slots import CommitRecord, RankStore
-from ftmem._state.copier import joined_stream, read_from_slot
+from ftmem._state.reader import joined_stream, read_from_slot
 from ftmem._state.serialize import join_state
 from ftmem.errors import FtmemError
 

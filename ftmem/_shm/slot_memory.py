@@ -20,7 +20,7 @@ import torch
 from ftmem.config import budget_bytes
 from ftmem._common.logs import rank_warning
 from ftmem._common.units import fmt_bytes
-from ftmem._state.copier import CudaPinning
+from ftmem._state.pinning import CudaPinning
 from ftmem.errors import SharedMemoryRemoved
 from ftmem._shm.slots import DATA, PARITY, RankStore
 from ftmem._shm.smp_client import SmpClient

@@ -1,8 +1,10 @@
-"""Moving tensor bytes between the training process and a shared-memory slot.
+"""Copying a save's tensors into a shared-memory slot.
 
 Saving runs on the engine's background thread while the next forward/backward runs:
 CPU tensors with ``copy_`` (which releases the GIL), CUDA tensors as asynchronous
-device-to-host copies on a side stream into the slot, registered as pinned memory.
+device-to-host copies on a side stream into the slot, registered as pinned memory
+(:mod:`ftmem._state.pinning`). What the next forward writes is taken first, on the caller's
+thread (:func:`taken_now`). Reading a slot back is :mod:`ftmem._state.reader`'s.
 """
 from __future__ import annotations
 
@@ -12,13 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ftmem.config import seconds_from_env
-from ftmem._state.plan import ReplicaShard, SnapshotPlan, TensorEntry
-
-
-def slot_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    """The tensor-shaped window of a slot (or of the replicated stream) holding an entry."""
-    raw = buffer[entry.offset : entry.offset + entry.nbytes]
-    return raw.view(entry.dtype).view(entry.shape)
+from ftmem._state.plan import ReplicaShard, SnapshotPlan, TensorEntry, slot_view
 
 
 def _shard_windows(entry: TensorEntry, shard: ReplicaShard) -> Optional[tuple[slice, slice]]:
@@ -28,28 +24,6 @@ def _shard_windows(entry: TensorEntry, shard: ReplicaShard) -> Optional[tuple[sl
         return None
     return (slice(lo - entry.offset, hi - entry.offset),
             slice(shard.offset + lo - shard.start, shard.offset + hi - shard.start))
-
-
-class CudaPinning:
-    """Registers slot mappings as pinned host memory once, so D2H copies are async DMA."""
-
-    def __init__(self) -> None:
-        self._registered: set[int] = set()
-
-    def ensure(self, slot_bytes: torch.Tensor) -> None:
-        ptr = slot_bytes.data_ptr()
-        if ptr in self._registered:
-            return
-        err = torch.cuda.cudart().cudaHostRegister(ptr, slot_bytes.numel(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of a {slot_bytes.numel()}-byte slot failed with error {int(err)}")
-        self._registered.add(ptr)
-
-    def release(self, slot_bytes: torch.Tensor) -> None:
-        ptr = slot_bytes.data_ptr()
-        if ptr in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-            self._registered.discard(ptr)
 
 
 COPY_TIMEOUT_ENV = "FTMEM_COPY_TIMEOUT_S"
@@ -167,56 +141,3 @@ def copy_into_slot(
 def _copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     if destinations:  # foreach refuses an empty list
         torch._foreach_copy_(destinations, sources, non_blocking=True)
-
-
-def shard_bytes(slot_bytes: torch.Tensor, plan: SnapshotPlan) -> torch.Tensor:
-    """This replica's slice of the replicated stream, as stored in the slot."""
-    return slot_bytes[plan.shard.offset : plan.shard.offset + plan.shard.nbytes]
-
-
-def joined_stream(replicas: Sequence[tuple[torch.Tensor, SnapshotPlan]]) -> torch.Tensor:
-    """The whole replicated stream, in private memory, from every replica's (slot bytes,
-    plan), in replica order: for a reader that holds every replica's slot."""
-    return torch.cat([shard_bytes(slot_bytes, plan) for slot_bytes, plan in replicas])
-
-
-def read_from_slot(slot_bytes: torch.Tensor, plan: SnapshotPlan, device: torch.device,
-                   replicated_stream: Optional[Callable[[], torch.Tensor]] = None,
-                   into: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
-    """Tensors rebuilt on ``device``, never views of shared memory. Unique entries are
-    copied out of the slot first, each into its tensor in ``into`` where it has one (see
-    :mod:`ftmem._state.destinations`), else into a fresh one; then ``replicated_stream()`` gives
-    the whole replicated stream (gathered from the replicas: private memory already, so
-    replicated entries are views of it on the CPU, where the gather has not written them
-    into their tensors in ``into`` already). Asking for it last lets a gather run beside
-    the copies."""
-    into = into or [None] * len(plan.entries)
-    out: list = list(into)
-    with torch.no_grad():  # a framework tensor may require grad: writing it is no step of any graph
-        for i, entry in enumerate(plan.entries):
-            if entry.replicated:
-                continue
-            if out[i] is None:
-                out[i] = _copied(entry, slot_bytes, device)
-            elif entry.nbytes:
-                out[i].copy_(slot_view(slot_bytes, entry))
-    if any(entry.replicated for entry in plan.entries):
-        stream = replicated_stream()
-        for i, entry in enumerate(plan.entries):
-            if entry.replicated and out[i] is None:
-                out[i] = slot_view(stream, entry) if device.type == "cpu" else _copied(entry, stream, device)
-    for i, (t, entry) in enumerate(zip(out, plan.entries)):
-        if into[i] is not None:
-            continue  # the framework's own tensor, as it was (destinations checked its kind)
-        if entry.is_parameter:
-            out[i] = torch.nn.Parameter(t, requires_grad=entry.requires_grad)
-        elif entry.requires_grad:
-            t.requires_grad_(True)
-    return out
-
-
-def _copied(entry: TensorEntry, source: torch.Tensor, device: torch.device) -> torch.Tensor:
-    t = torch.empty(entry.shape, dtype=entry.dtype, device=device)
-    if entry.nbytes:
-        t.copy_(slot_view(source, entry))
-    return t

@@ -102,3 +102,9 @@ class Planner:
         if self._last is None or self._last[0] != key:
             self._last = (key, SnapshotPlan.for_tensors(tensors, replicated, replica))
         return self._last[1]
+
+
+def slot_view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The tensor-shaped window of a slot (or of the replicated stream) holding an entry."""
+    raw = buffer[entry.offset : entry.offset + entry.nbytes]
+    return raw.view(entry.dtype).view(entry.shape)

@@ -337,7 +337,7 @@ class AdapterRuntime:
     def _report_stale(self, newest_saved: VersionRef) -> None:
         """Say which of this job's versions are of another timeline than ``newest_saved``
         (collective): they are not restored, and this job's saves replace them."""
-        self._engine.wait_idle()
+        self._engine.wait_protected()
         stale = sorted(set().union(*self.gather(self._engine.versions_off(newest_saved.timeline))))
         if stale:
             job_info("not restoring this job's version(s) %s: they are of another run than the save dir's newest "
@@ -355,7 +355,7 @@ class AdapterRuntime:
         if other_worlds is None:
             raise LayoutMismatch(other_worlds_refused(identity, others, "this framework's adapter restores from "
                                                       "memory only onto the layout a checkpoint was saved with"))
-        self._engine.wait_idle()
+        self._engine.wait_protected()
         try:
             return adopt(identity, self._engine.job_group, self.format.name, other_worlds, timeline)
         except LayoutMismatch as e:
@@ -366,7 +366,7 @@ class AdapterRuntime:
         version it saved itself (its framework loaded the resumed state and trained on): the
         adopted one, whose memory is the only copy of the version this job resumed from, and
         those its own resumed version's line descends from."""
-        if self._engine.protected_saved is None:
+        if self._engine.anchor_saved is None:
             return
         if self._adopted is not None:
             self._adopted.free(self._engine.identity.shm_dir)
@@ -379,7 +379,7 @@ class AdapterRuntime:
         no collective (:mod:`ftmem._shm.held`), for a read that some ranks make alone; with
         ``uid``, only that save of it (FtmemError for another run's). None where some rank's
         node memory is not on this host: only a collective can read it then."""
-        self._engine.wait_idle()  # every save so far is protected (or passed over) by every rank
+        self._engine.wait_protected()  # every save so far is protected (or passed over) by every rank
         held = HeldJob(self.identity.shm_dir, self.identity.job)
         try:
             version, record = held.choose(version)
@@ -399,12 +399,12 @@ class AdapterRuntime:
     def _first_problem(self, problem: Optional[str]) -> Optional[str]:
         """Every rank's verdict on its own part of a restore; the first problem any rank
         has. All ranks must take the same path (memory or disk) or the next collective hangs."""
-        self._engine.wait_idle()
+        self._engine.wait_protected()
         return first_problem(problem, self._engine.job_group)
 
     def gather(self, obj: Any) -> list:
         """Every rank's ``obj``, by rank (collective over the job's gloo group, once the protection thread is idle)."""
-        self._engine.wait_idle()
+        self._engine.wait_protected()
         return gather(obj, self._engine.job_group)
 
     def refuse_other_job(self, described: str, job: str, world: Optional[tuple[int, int]],
@@ -492,7 +492,7 @@ class AdapterRuntime:
             return self._keep(verdict)
         if self._kept_newer:
             return self._keep(f"it also holds version(s) {self._kept_newer}, newer than the version it loaded by name")
-        flusher, newest = self._engine.flusher, self._engine.protected
+        flusher, newest = self._engine.flusher, self._engine.anchor
         testhooks.at("finish", self.rank, -1 if newest is None else newest)
         if flusher is not None and (on_disk is None or newest is None or on_disk < newest):
             try:
@@ -511,7 +511,7 @@ class AdapterRuntime:
         except Exception as e:  # the failure that made it keep the memory, raised once more: the memory stays
             reason = reason if str(e) == reason else f"{reason}; then its close failed: {e}"
         # None: this run saved nothing and restored nothing (it failed first); what it held stays.
-        _say_kept(self._engine.identity, max(self._kept_newer, default=self._engine.protected), reason)
+        _say_kept(self._engine.identity, max(self._kept_newer, default=self._engine.anchor), reason)
 
 
 def _without_memory(plan: Resumption, reason: Optional[str]) -> Resumption:

@@ -11,7 +11,7 @@ import torch
 from examples.deepspeed.gpt import GPT, GPTConfig
 from ftmem import rng_states
 from ftmem.cli import main
-from ftmem._ec.capacity import Job, Schedule, plan, rank_bytes
+from ftmem.capacity import Job, Schedule, plan, rank_bytes
 from ftmem._ec.protect import piece_size
 from ftmem._state.plan import ALIGN, SnapshotPlan
 from ftmem._state.serialize import split_state

@@ -21,7 +21,7 @@ from ftmem import restored_from_disk, restored_from_memory
 from ftmem._engine.failure_detector import EXIT_CODE
 from ftmem._shm.procs import process_state
 from ftmem._shm.smp_client import running_smp
-from ftmem._ec import capacity
+from ftmem import capacity
 from ftmem._shm import jobs
 from ftmem._shm.slots import RankStore
 from ftmem._state.plan import ALIGN
@@ -118,7 +118,7 @@ def test_a_hung_or_killed_node_ends_the_survivors_at_the_detector_s_timeout_and_
 def assert_allocated_as_planned(config: str, world: int, shm_dir: str, job: str) -> None:
     """Each rank's data slots are as large as ``ftmem plan`` plans for the GPT at the config's
     ZeRO stage and dtype, DP = world: more by each tensor's 64-byte alignment and the RNG
-    state at most, which the planner leaves out (ftmem/_ec/capacity.py)."""
+    state at most, which the planner leaves out (ftmem/capacity.py)."""
     ds_config = json.load(open(os.path.join(CONFIGS, config)))
     dtype = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
     params = sum(p.numel() for p in GPT(GPTConfig()).parameters())
