@@ -1,32 +1,48 @@
-"""The commit protocol of one rank: a copy thread and a protection thread, both running
+"""The commit pipeline of one rank: a copy thread and a protection thread, both running
 while training goes on, so that a save costs the training thread the copy at most, never
 the protection (see docs/design/protocols.md).
 
-The copy thread takes the saves in the order the training makes them:
+Each save has a :class:`State`, which the threads advance, and :data:`NEXT` says what may
+happen next to a save in each one:
 
-1. it picks a data slot that holds neither the *anchor* (the newest version protected
-   job-wide, which must survive until a newer one is) nor the version being protected:
-   an empty slot, else the one with the oldest version. With three slots one is always
-   left (it held the newest copy, which the new save replaces); with two, a save that
-   comes while a protection runs finds none and is *skipped*;
-2. what the slot held becomes invisible (its marker goes first), the bytes are copied
-   in, and the handle becomes *reusable*;
-3. the bytes are checksummed and the commit marker, which holds the checksum, is written
-   (atomic rename): the rank's part of v exists, and a crash of processes restores it.
+================  ======================================================  ===============
+state             what holds                                              moved on by
+================  ======================================================  ===============
+``queued``        started; the copy thread has not taken it up yet        the copy thread
+``copying``       its bytes go into a data slot (what the slot held went  the copy thread
+                  invisible first)
+``copied``        its bytes are in the slot: the handle is *reusable*,    the copy thread
+                  the optimizer step may write the tensors again
+``committed``     checksummed, its commit marker written (atomic          the copy or the
+                  rename): whole on this rank, a crash of processes       protection thread
+                  restores it
+``claimed``       every rank committed it, and a round makes its parity   the protection
+                                                                          thread
+``protected``     every rank protected it: it is the *anchor*, and the    (it leaves the
+                  older anchor's slots are free                           pipeline)
+================  ======================================================  ===============
+
+and where a save ends without being protected: ``skipped`` (no data slot was free: two
+slots, a protection running), ``failed`` (its copy failed), ``replaced`` (a later save's copy
+took its slot before the job protected it), ``passed over`` (the job protected a newer save
+first) and ``dropped`` (a timeline the job abandoned).
+
+The copy thread takes the saves in the order the training makes them, into a data slot
+that holds neither the anchor (which must survive until a newer version is protected) nor
+the version a round is about: an empty slot, else the one with the oldest version. With
+three slots one is always left; with two, a save that comes while a protection runs finds
+none.
 
 The protection thread protects the newest save behind them, one at a time, in rounds that
-every rank takes alike (each step a collective over ftmem's groups):
-
-4. the job agrees on the newest save every rank has made (the least of each rank's
-   newest); each rank claims it, so that the copy thread leaves its slot alone, lets its
-   copy finish, and the job votes that every rank committed it. If a rank no longer holds
-   it (it was skipped, or ran two saves ahead of another rank and replaced it), nothing is
-   protected this round: the next save starts the next;
-5. with erasure coding, the column exchanges pieces and each member stores its parity in
-   the parity slot that does not hold the anchor's (:class:`ftmem._ec.protect.ColumnCoder`);
-6. the job agrees that every rank protected v: v is the anchor, the older anchor's slots
-   are free, and the handles of v and of every save before it are done;
-7. if the persistent tier is due, the flusher gets a private copy of v.
+every rank takes alike (each step a collective over ftmem's groups): the job agrees on the
+newest save every rank has made (the least of each rank's newest), each rank marks it as the
+round's (the copy thread then leaves its slot alone) and lets its copy finish, and the job
+votes that every rank committed it (else nothing is protected this round: the next save
+starts the next); the column exchanges pieces and each member stores its parity in the
+parity slot that does not hold the anchor's (:class:`ftmem._ec.protect.ColumnCoder`); the job
+agrees that every rank protected it; it becomes the anchor, and the saves before it are
+done. The persistent tier then gets its private copy, if due
+(:class:`ftmem._engine.handover.FlushHandOver`).
 
 At a preemption (:mod:`ftmem._engine.preemption`) every rank's protection thread opens its
 next round as always; the round's first collective carries whether any rank was told to
@@ -45,11 +61,12 @@ round fails the engine: the job's groups are then in an unknown state.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -61,14 +78,45 @@ from ftmem._state.checksum import data_checksum
 from ftmem._state.copier import SlotWindows, copy_bound_s, copy_into_slot
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
-from ftmem._disk.persist import Flusher
+from ftmem._engine.handover import FinalFlush, FlushHandOver
 from ftmem._ec.protect import ColumnCoder
 from ftmem._shm.slot_memory import SlotMemory
 from ftmem._shm.slots import DATA, PARITY, CommitRecord, RankStore
 
-# Copies a whole version out of its slot into private CPU memory (collective over the DP group).
-CopyOut = Callable[[CommitRecord, torch.Tensor], Any]
 LAG_SUMMARY_S = 60.0  # the lag log's lines after its first two: at most one this often
+
+
+class State(enum.Enum):
+    """Where a save is in the pipeline (see the module's doc)."""
+
+    QUEUED = "queued"
+    COPYING = "copying"
+    COPIED = "copied"
+    COMMITTED = "committed"
+    CLAIMED = "claimed"
+    PROTECTED = "protected"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    REPLACED = "replaced"
+    PASSED_OVER = "passed over"
+    DROPPED = "dropped"
+
+
+# What may happen next to a save in each state; any other move is a bug of the pipeline's.
+NEXT: dict[State, frozenset[State]] = {
+    State.QUEUED: frozenset({State.COPYING, State.SKIPPED, State.FAILED, State.DROPPED}),
+    State.COPYING: frozenset({State.COPIED, State.FAILED}),
+    State.COPIED: frozenset({State.COMMITTED, State.FAILED}),
+    State.COMMITTED: frozenset({State.CLAIMED, State.REPLACED, State.PASSED_OVER, State.DROPPED}),
+    State.CLAIMED: frozenset({State.PROTECTED}),
+    State.PROTECTED: frozenset(),
+    State.SKIPPED: frozenset({State.PASSED_OVER, State.DROPPED}),
+    State.FAILED: frozenset({State.PASSED_OVER, State.DROPPED}),
+    State.REPLACED: frozenset({State.PASSED_OVER, State.DROPPED}),
+    State.PASSED_OVER: frozenset(),
+    State.DROPPED: frozenset(),
+}
+_COPY_RUNS = (State.QUEUED, State.COPYING, State.COPIED)  # the copy thread is not done with it
 
 
 @dataclass
@@ -80,14 +128,29 @@ class _Save:
     tensors: Optional[list]  # let go once copied
     cuda_ready: dict
     persist: bool
+    state: State = State.QUEUED
     copy_started: Optional[float] = None  # monotonic seconds, once the copy thread took it up
-    copied: bool = False  # committed on this rank
-    finished: bool = False  # the copy thread is done with it (committed, skipped or failed)
-    replaced: bool = False  # its slot was taken by a later save
+
+    def advance(self, state: State) -> None:
+        """Move it on (under the committer's lock)."""
+        if state not in NEXT[self.state]:
+            raise AssertionError(f"ftmem's commit pipeline moved version {self.record.version} from "
+                                 f"{self.state.value} to {state.value}")
+        self.state = state
+
+    @property
+    def copy_done(self) -> bool:
+        """The copy thread is done with it (committed, skipped, failed or replaced since)."""
+        return self.state not in _COPY_RUNS
+
+    @property
+    def whole(self) -> bool:
+        """This rank holds it whole: committed, its slot its own."""
+        return self.state in (State.COMMITTED, State.CLAIMED)
 
     def late(self, now: float) -> bool:
         """Its copy runs past :func:`copy_bound_s`."""
-        return (not self.finished and self.copy_started is not None and
+        return (not self.copy_done and self.copy_started is not None and
                 now - self.copy_started > copy_bound_s(self.record.plan.nbytes))
 
     def late_error(self) -> FtmemError:
@@ -95,15 +158,6 @@ class _Save:
                           f"shared memory has not ended within {copy_bound_s(self.record.plan.nbytes):.0f} s "
                           f"(FTMEM_COPY_TIMEOUT_S, plus a second per 50 MB): a device or the machine is stuck. The "
                           f"training cannot go on safely; restart the job.")
-
-
-@dataclass(frozen=True)
-class FinalFlush:
-    """What the flush at a preemption did, the same on every rank."""
-
-    version: Optional[int]  # the version it was about (None: this run's memory held none)
-    written: bool  # False: it was on disk already, or could not be written
-    problem: Optional[str] = None  # why it was not written
 
 
 class _LagLog:
@@ -162,13 +216,14 @@ class Lag:
 
 
 class Committer:
+    """One rank's commit pipeline (see the module's doc)."""
+
     def __init__(self, store: RankStore, memory: SlotMemory, column: Optional[ColumnCoder],
-                 gloo: Optional[dist.ProcessGroup], arrivals: Optional[Arrivals], copy_out: CopyOut):
+                 gloo: Optional[dist.ProcessGroup], arrivals: Optional[Arrivals]):
         """``arrivals``: those of the job's rounds (None on one rank)."""
         self.store, self.memory = store, memory
-        self._column, self._gloo, self._copy_out = column, gloo, copy_out
-        self._arrivals = arrivals
-        self.flusher: Optional[Flusher] = None
+        self._column, self._gloo, self._arrivals = column, gloo, arrivals
+        self.handover: Optional[FlushHandOver] = None  # the persistent tier's, where the job has one
         # The saves to copy, in order, for a daemon thread of ftmem's: not a ThreadPoolExecutor,
         # whose workers the interpreter joins at its exit, so that a copy stuck on a device
         # would keep the process from ending.
@@ -183,15 +238,13 @@ class Committer:
         self._saves: dict[int, _Save] = {}  # by version: saves the job is not done with
         self._seen: Optional[int] = None  # the newest save started
         self._tried: Optional[int] = None  # the newest save a round was about
+        self._round_on: Optional[int] = None  # the version the round under way is about: its slot is kept
         self.anchor: Optional[int] = None  # the newest version protected job-wide (or resumed from)
         self.protected_saved: Optional[int] = None  # the newest version this engine saved and protected
-        self._claimed: Optional[int] = None  # the version a round is about
-        self._copying: Optional[int] = None  # the data slot being written
         self._in_round = False
         self._unprotected = 0  # saves done with before the job protected them
         self._failure: Optional[BaseException] = None  # of the protection thread: raised at the next save
         self._stopping = False
-        self._persist_asked = False  # a save asked to be flushed; the next protected version is
         self._skipped_before = False
         self._lag_log = _LagLog()
         self._preempted_until: Optional[float] = None  # told to stop: the grace's end (monotonic)
@@ -212,9 +265,7 @@ class Committer:
             self.raise_failure()
             self._saves[record.version] = save
             self._seen = record.version
-            if self._protector is None:
-                self._protector = threading.Thread(target=self._protect_loop, name="ftmem-protect", daemon=True)
-                self._protector.start()
+            self._start_protecting()
             self._cv.notify_all()
         self._to_copy.put(save)
 
@@ -230,7 +281,9 @@ class Committer:
             if self.anchor is not None and self.anchor >= version:
                 self.anchor = None
             for v in [v for v in self._saves if v >= version]:
-                self._saves.pop(v).handle._set_done(protected=False)
+                dropped = self._saves.pop(v)
+                dropped.advance(State.DROPPED)
+                dropped.handle._set_done(protected=False)
             if self._seen is not None and self._seen >= version:
                 self._seen = self._tried = None
 
@@ -242,9 +295,7 @@ class Committer:
         ``deadline`` (monotonic seconds)."""
         with self._cv:
             self._preempted_until = deadline
-            if self._protector is None:
-                self._protector = threading.Thread(target=self._protect_loop, name="ftmem-protect", daemon=True)
-                self._protector.start()
+            self._start_protecting()
             self._cv.notify_all()
             self._cv.wait_for(lambda: self._final is not None or self._failure is not None,
                               timeout=max(0.0, deadline - time.monotonic()))  # the grace bounds it
@@ -268,8 +319,8 @@ class Committer:
         its bound (the rounds' own waits are bounded: see the module's doc)."""
         with self._cv:
             while self._failure is None and not (not self._in_round and self._seen == self._tried and
-                                                 all(s.finished for s in self._saves.values())):
-                self._raise_late_copy()
+                                                 all(s.copy_done for s in self._saves.values())):
+                self._raise_late_copy(self._saves.values())
                 self._cv.wait(timeout=1.0)
             self.raise_failure()
 
@@ -293,25 +344,31 @@ class Committer:
                              "waits for ranks that did not come): it ends with the process", collective_timeout_s())
         self._windows.clear()
 
-    def _until_copied(self, saves: list) -> None:
-        """(under _cv) Until the copies of ``saves`` are done; the first that runs past its
-        bound raises (FtmemError, naming it)."""
-        while not all(s.finished for s in saves):
-            late = next((s for s in saves if s.late(time.monotonic())), None)
-            if late is not None:
-                raise late.late_error()
-            self._cv.wait(timeout=1.0)
-
-    def _raise_late_copy(self) -> None:
-        late = next((s for s in self._saves.values() if s.late(time.monotonic())), None)
-        if late is not None:
-            raise late.late_error()
-
     def forget_groups(self) -> None:
         """The engine closed and destroyed its groups: hold none of them, the tier's included."""
         self._gloo = None
-        if self.flusher is not None:
-            self.flusher.close()
+        if self.handover is not None:
+            self.handover.flusher.close()
+
+    def _start_protecting(self) -> None:
+        """(under _cv) The protection thread, at the first save or preemption."""
+        if self._protector is None:
+            self._protector = threading.Thread(target=self._protect_loop, name="ftmem-protect", daemon=True)
+            self._protector.start()
+
+    def _until_copied(self, saves) -> None:
+        """(under _cv) Until the copy thread is done with ``saves``; the first whose copy runs
+        past its bound raises (FtmemError, naming it)."""
+        saves = list(saves)
+        while not all(s.copy_done for s in saves):
+            self._raise_late_copy(saves)
+            self._cv.wait(timeout=1.0)
+
+    @staticmethod
+    def _raise_late_copy(saves) -> None:
+        late = next((s for s in saves if s.late(time.monotonic())), None)
+        if late is not None:
+            raise late.late_error()
 
     # -- the copy thread -----------------------------------------------------------
     def _copy_loop(self) -> None:
@@ -323,22 +380,26 @@ class Committer:
         with self._cv:
             save.copy_started = time.monotonic()
             slot = self._slot_for_copy()
-            if slot is not None:
-                self._copying = slot
-                for other in self._saves.values():
-                    other.replaced |= other.record.slot == slot and other is not save
-                save.record = dataclasses.replace(save.record, slot=slot)
-        try:
             if slot is None:
-                save.handle._skip()
-                with self._cv:
-                    self._unprotected += 1
-                if not self._skipped_before:
-                    self._skipped_before = True
-                    job_info("version %d skipped: both slots hold versions being protected, as every save that "
-                             "comes while a protection runs will be (\"slots\": 3 keeps the newest copy "
-                             "meanwhile)", version)
-                return
+                save.advance(State.SKIPPED)
+                self._unprotected += 1
+            else:
+                save.advance(State.COPYING)
+                for other in self._saves.values():
+                    if other is not save and other.record.slot == slot and other.state is State.COMMITTED:
+                        other.advance(State.REPLACED)
+                save.record = dataclasses.replace(save.record, slot=slot)
+        if slot is None:
+            save.tensors = None
+            save.handle._skip()
+            if not self._skipped_before:
+                self._skipped_before = True
+                job_info("version %d skipped: both slots hold versions being protected, as every save that comes "
+                         "while a protection runs will be (\"slots\": 3 keeps the newest copy meanwhile)", version)
+            with self._cv:
+                self._cv.notify_all()
+            return
+        try:
             self.store.drop_slot(slot)  # what the slot held becomes invisible first
             slot_bytes = self.memory.bytes_of(slot)
             if any(t.is_cuda for t in save.tensors):
@@ -347,6 +408,8 @@ class Committer:
             copy_into_slot(windows, save.tensors, save.cuda_ready, self._side_streams,
                            halfway=lambda: testhooks.at("mid_copy", self.rank, version))
             save.tensors = None
+            with self._cv:
+                save.advance(State.COPIED)
             # Reusable before the checksum: the source tensors are not read again, so the
             # optimizer step waits for the copy only, never for the checksum.
             save.handle._set_reusable()
@@ -355,21 +418,25 @@ class Committer:
             record = dataclasses.replace(save.record,
                                          checksum=data_checksum(slot_bytes.numpy()[: save.record.plan.nbytes]))
             self.store.write_commit(record)
-            save.record, save.copied = record, True
+            with self._cv:
+                save.record = record
+                save.advance(State.COMMITTED)
             testhooks.at("after_commit", self.rank, version)
         except BaseException as e:
+            with self._cv:
+                save.advance(State.FAILED)
             # Files gone under the copy mean `ftmem clean`: say so, not a bare OSError.
             save.handle._fail(self.memory.removed_error() or e)
         finally:
             save.tensors = None
             with self._cv:
-                self._copying = None
-                save.finished = True
                 self._cv.notify_all()
 
     def _slot_for_copy(self) -> Optional[int]:
-        """A data slot for the next copy, or None if every one is kept (under _cv)."""
-        keep = [s.record.slot for v, s in self._saves.items() if v == self._claimed]
+        """A data slot for the next copy, or None if every one is kept (under _cv): not the
+        anchor's, nor that of the version the round under way is about."""
+        round_on = self._saves.get(self._round_on)
+        keep = [round_on.record.slot] if round_on is not None else []
         held = self.store.committed()
         keep += [held[self.anchor]] if self.anchor in held else []
         return self.store.free_slot(DATA, keep=tuple(keep))
@@ -411,14 +478,16 @@ class Committer:
             return True
         with self._cv:
             save = self._saves.get(target)
-            if save is not None and not save.replaced and not save.handle.skipped:
-                self._claimed = target  # the copy thread now leaves its slot alone
+            if save is not None and (save.whole or not save.copy_done):
+                self._round_on = target  # the copy thread now leaves its slot alone
                 self._until_copied([save])  # its copy, if it still runs, is this rank's own
-            have = save is not None and save.copied and not save.replaced
+            have = save is not None and save.whole
         if not self._all_min(int(have), f"the vote that every rank committed version {target}"):
             with self._cv:
-                self._claimed, self._tried = None, target
+                self._round_on, self._tried = None, target
             return False
+        with self._cv:
+            save.advance(State.CLAIMED)
         record = save.record
         testhooks.at("before_protect", self.rank, target)
         if self._column is not None:
@@ -427,19 +496,18 @@ class Committer:
             self._confirm_same_version_everywhere(target)
         with self._cv:
             self.anchor = self.protected_saved = target
-            self._claimed, self._tried = None, target
-            done = sorted(v for v in self._saves if v <= target)
-            for v in done:
-                passed_over = self._saves.pop(v)
-                passed_over.handle._set_done(protected=v == target)
-                self._unprotected += v != target and not passed_over.handle.skipped  # skips counted already
-                self._persist_asked |= passed_over.persist
-            persist, self._persist_asked = self._persist_asked, False
+            self._round_on, self._tried = None, target
+            done = [self._saves.pop(v) for v in sorted(v for v in self._saves if v <= target)]
+            for passed in done:
+                self._unprotected += passed is not save and passed.state is not State.SKIPPED  # skips counted already
+                passed.advance(State.PROTECTED if passed is save else State.PASSED_OVER)
+                passed.handle._set_done(protected=passed is save)
             behind = self._seen - target
             self._cv.notify_all()
         self._say_lag(target, behind)
-        if self.flusher is not None and self.flusher.due(asked=persist):
-            self._hand_over_for_flush(record, self.memory.bytes_of(record.slot))
+        if self.handover is not None:
+            self.handover.protected(record, self.memory.bytes_of(record.slot), any(s.persist for s in done),
+                                    self._any_rank)
         return False
 
     def _open_round(self, seen: int, preempted: bool) -> tuple[int, bool]:
@@ -459,37 +527,6 @@ class Committer:
             work = dist.all_reduce(values, op=op, group=self._gloo, async_op=True)
         self._arrivals.wait([work], f"rank {self.rank}'s protection, in {what}", bound_s, posted)
 
-    def _flush_final(self) -> FinalFlush:
-        """Write the newest version every rank holds whole (else the anchor) to the persistent
-        tier, in step with every rank (the flush at a preemption)."""
-        with self._cv:  # this rank's copies end (no save starts any more)
-            self._until_copied(list(self._saves.values()))
-            whole = {v: s.record for v, s in self._saves.items() if s.copied and not s.replaced}
-        version = self._all_min(max(whole, default=-1), "the agreement on the version to flush at the preemption")
-        if version < 0 or not self._all_min(int(version in whole), f"the vote that every rank holds version {version}"):
-            version = self.anchor  # every rank holds it
-        with self._cv:  # a save this rank starts before it hears of the signal leaves its slot alone
-            self._claimed = version
-        if version is None:
-            return FinalFlush(None, False)
-        if self.flusher is None:
-            return FinalFlush(version, False, "no persistent tier is configured")
-        try:
-            self.flusher.wait()  # a flush still running ends first: the tier's group is its
-            if self.flusher.flushed_version == version:
-                return FinalFlush(version, False)
-            record = whole[version] if version in whole else self.store.read_commit(version)
-            self.flush_now(record, self.memory.bytes_of(record.slot))
-        except Exception as e:
-            return FinalFlush(version, False, str(e))
-        return FinalFlush(version, True)
-
-    def _say_lag(self, protected: int, behind: int) -> None:
-        """Rank 0's lines on the lag (:class:`_LagLog`), once a round is done."""
-        line = self._lag_log.seen(protected, behind, time.monotonic())
-        if line is not None:
-            job_info("%s", line)
-
     def _all_min(self, value: int, what: str) -> int:
         """The least of every rank's ``value`` (this rank's alone on one rank); ``what`` names
         the collective where it waits too long."""
@@ -498,6 +535,32 @@ class Committer:
         least = torch.tensor([value], dtype=torch.int64)
         self._all_reduce(least, dist.ReduceOp.MIN, what)
         return int(least)
+
+    def _any_rank(self, yes: bool, what: str) -> bool:
+        """Whether any rank says ``yes`` (a collective of the round)."""
+        return not self._all_min(int(not yes), what)
+
+    def _flush_final(self) -> FinalFlush:
+        """Write the newest version every rank holds whole (else the anchor) to the persistent
+        tier, in step with every rank (the flush at a preemption)."""
+        with self._cv:  # this rank's copies end (no save starts any more)
+            self._until_copied(self._saves.values())
+            whole = {v: s.record for v, s in self._saves.items() if s.whole}
+        version = self._all_min(max(whole, default=-1), "the agreement on the version to flush at the preemption")
+        if version < 0 or not self._all_min(int(version in whole), f"the vote that every rank holds version {version}"):
+            version = self.anchor  # every rank holds it
+        with self._cv:  # a save this rank starts before it hears of the signal leaves its slot alone
+            self._round_on = version
+        if self.handover is None:
+            return FinalFlush(version, False, "no persistent tier is configured" if version is not None else None)
+        return self.handover.final(version, lambda v: whole[v] if v in whole else self.store.read_commit(v),
+                                   self.memory.bytes_of)
+
+    def _say_lag(self, protected: int, behind: int) -> None:
+        """Rank 0's lines on the lag (:class:`_LagLog`), once a round is done."""
+        line = self._lag_log.seen(protected, behind, time.monotonic())
+        if line is not None:
+            job_info("%s", line)
 
     def _protect(self, record: CommitRecord) -> None:
         lengths, records, piece = self._column.exchange_info(record)
@@ -517,23 +580,3 @@ class Committer:
                              f"save the same versions.")
         if self._column is not None:
             self.store.write_protected(version)
-
-    def flush_now(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
-        """Write ``record``'s version to the persistent tier and wait for it (collective;
-        both threads are idle). Raises if it could not be written."""
-        self.flusher.start(record.version, self._copy_out(record, slot_bytes))
-        self.flusher.wait()
-        self.flusher.raise_failure()
-
-    def _hand_over_for_flush(self, record: CommitRecord, slot_bytes: torch.Tensor) -> None:
-        """A whole private copy of the version for the flusher, unless a flush is still
-        running on any rank (then this version is skipped: flushes never queue)."""
-        busy = torch.tensor([int(self.flusher.busy())], dtype=torch.int64)
-        if self._gloo is not None:
-            self._all_reduce(busy, dist.ReduceOp.MAX, f"the check that no flush still runs, before version "
-                                                      f"{record.version}'s")
-        if busy.item():
-            job_info("version %d not flushed: the previous flush is still running (the disk is slower than "
-                     "persist.interval saves)", record.version)
-            return
-        self.flusher.start(record.version, self._copy_out(record, slot_bytes))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import signal
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -38,9 +37,10 @@ from ftmem._common.identity import RankIdentity
 from ftmem._common import exit_status
 from ftmem._common.agreement import unanimous
 from ftmem._common.collective import Arrivals, collective_timeout_s, gather, new_group
-from ftmem._common.logs import job_info, rank_info, rank_warning
+from ftmem._common.logs import job_info, rank_warning
 from ftmem._engine.failure_detector import FailureDetector
-from ftmem._engine.preemption import PreemptionWatch, arrival_s, say_grace_ended, whole_job_told
+from ftmem._engine.handover import FlushHandOver
+from ftmem._engine.preemption import Preemption
 from ftmem._engine.ownership import refuse_another_node_layout, refuse_foreign_versions
 from ftmem._common.parallel import ParallelLayout, destroy_groups, make_dp_groups
 from ftmem._disk.persist import Flusher, FlushTimes
@@ -51,8 +51,6 @@ from ftmem._engine.restore import Chosen, DataParallelPeers, Restored, Restorer,
 from ftmem._state.serialize import split_state
 from ftmem._shm.slot_memory import SlotMemory
 from ftmem._shm.slots import CommitRecord, RankStore, VersionRef
-from ftmem._shm.jobs import node_dirs
-from ftmem._shm.smp import rank_owner
 from ftmem._shm.smp_client import SmpClient
 
 __all__ = ["SnapshotEngine", "Restored"]
@@ -161,18 +159,17 @@ class SnapshotEngine:
             if column is not None:
                 column.arrivals = Arrivals(self._job_store, f"ftmem/arrivals/{self._run}/column", rank,
                                            [dist.get_global_rank(column.pg, i) for i in range(column.group.n)])
-        self._committer = Committer(self.store, self.memory, column, gloo, arrivals,
-                                    lambda record, slot_bytes: self._restorer.copy_out(record, slot_bytes,
-                                                                                           torch.device("cpu")))
+        self._committer = Committer(self.store, self.memory, column, gloo, arrivals)
         self._planner = Planner()
         self.lineage: Optional[VersionRef] = None  # recorded in each version (CommitRecord.lineage)
         self._closed = self._ended = False
         self._verdict: Optional[str] = None  # the job's verdict on its end (end_of_job), once self._ended
         self._pid = os.getpid()  # a forked child's copy of the engine acts for nobody
         exit_status.watch()
-        self._preemption = PreemptionWatch.install(self.config.preemption, rank, self._on_preemption)
         self._detector = FailureDetector.start(self.config.failure_detection.resolve(), self._run, rank, world_size,
                                                self.identity.ranks_per_node)
+        self._preemption = Preemption(self.config.preemption, self.identity, self._job_store, self._run,
+                                      self._committer, self._detector)
 
     @property
     def rank(self) -> int:
@@ -203,7 +200,7 @@ class SnapshotEngine:
         once protected (or the newer version protected in its place), whatever the
         interval of :meth:`persist_with`.
         """
-        if persist and self._committer.flusher is None:
+        if persist and self.flusher is None:
             raise FtmemError("save(persist=True) needs a persistent tier: call persist_with first.")
         self._committer.raise_failure()
         exit_status.carried_on()
@@ -247,7 +244,8 @@ class SnapshotEngine:
     def persist_with(self, flusher: Flusher) -> None:
         """Flush protected versions through ``flusher`` (see :mod:`ftmem._disk.persist`): those
         saved with ``persist=True`` and every ``flusher.interval``-th one."""
-        self._committer.flusher = flusher
+        self._committer.handover = FlushHandOver(
+            flusher, lambda record, slot_bytes: self._restorer.copy_out(record, slot_bytes, torch.device("cpu")))
 
     def wait_protected(self) -> None:
         """Until every save so far is protected by every rank, or passed over for a newer one
@@ -279,19 +277,19 @@ class SnapshotEngine:
         Without a persistent tier: until every save is protected. Raises if the last flush
         failed (the training itself went on: memory still protects the version)."""
         self.wait_protected()
-        if self._committer.flusher is not None:
-            self._committer.flusher.wait()
-            self._committer.flusher.raise_failure()
+        if self.flusher is not None:
+            self.flusher.wait()
+            self.flusher.raise_failure()
 
     @property
     def flusher(self) -> Optional[Flusher]:
-        return self._committer.flusher
+        """The persistent tier's (None without one)."""
+        return self._committer.handover.flusher if self._committer.handover is not None else None
 
     @property
     def last_flush(self) -> Optional[FlushTimes]:
         """This rank's part of the last completed flush (bytes, seconds, of them syncing); None if none."""
-        flusher = self._committer.flusher
-        return flusher.last_flush if flusher is not None else None
+        return self.flusher.last_flush if self.flusher is not None else None
 
     def flush_newest(self) -> None:
         """Write the newest protected version to the persistent tier now, unless it is
@@ -301,57 +299,7 @@ class SnapshotEngine:
         if flusher is None or self.anchor is None or flusher.flushed_version == self.anchor:
             return
         record = self.store.read_commit(self.anchor)
-        self._committer.flush_now(record, self.memory.bytes_of(record.slot))
-
-    def _on_preemption(self, signum: int, deadline: float) -> None:
-        """The job may have been told to stop (``signum``; the process ends after this):
-        if every rank was, the newest version goes to the persistent tier by ``deadline``."""
-        name = signal.Signals(signum).name
-        if self.flusher is None:
-            job_info("%s: no persistent tier (\"ftmem.persist\") to flush to: what memory holds (%s) is lost if the "
-                     "job's machines go", name, self._held())
-            return
-        try:
-            why_not = whole_job_told(self.rank, self.identity.world_size, self._dead_here,
-                                     arrival_s(self.config.preemption.grace_s), self._job_store,
-                                     f"ftmem/preemption/{self._run}")
-        except Exception as e:  # the job's store went first (the rank that served it died)
-            why_not = f"the job's store does not answer ({str(e).splitlines()[0]})"  # (not torch's C++ frames)
-        if why_not is not None:  # training went on meanwhile: what memory holds now is what the restart finds
-            rank_info(self.rank, "%s, not as a preemption of the whole job (%s): nothing is flushed; the process "
-                      "ends now, and memory keeps %s for the restart", name, why_not, self._held())
-            return
-        self._stop_detecting()  # every rank ends within the grace, one after the other: no failure
-        job_info("%s to every rank: the newest version goes to %s before the processes end (%d s of grace)", name,
-                 self.flusher.root, self.config.preemption.grace_s)
-        final = self._committer.flush_at_preemption(deadline)
-        if final is None:
-            return say_grace_ended(self.rank, self.config.preemption.grace_s)
-        if final.written:
-            job_info("flushed version %d to %s at %s: a relaunch resumes from it", final.version, self.flusher.root,
-                     name)
-        elif final.problem is not None:
-            job_info("version %s was not flushed at %s (%s)", final.version, name, final.problem)
-        else:
-            job_info("at %s, version %s was on disk already", name, final.version)
-
-    def _held(self) -> str:
-        lag = self.lag()
-        return f"version {lag.newest_protected} protected, {lag.newest_saved} saved"
-
-    def _stop_detecting(self) -> None:
-        if self._detector is not None:
-            self._detector.stop()
-
-    def _dead_here(self) -> list[int]:
-        """The job's ranks on this host whose processes died (a failure's teardown follows)."""
-        rpn, dead = self.identity.ranks_per_node, []
-        for node, directory in node_dirs(self.identity.shm_dir, self.identity.job):
-            for rank in range(node * rpn, (node + 1) * rpn):
-                owner = rank_owner(directory, rank)
-                if rank != self.rank and owner is not None and not owner[1]:
-                    dead.append(rank)
-        return dead
+        self._committer.handover.now(record, self.memory.bytes_of(record.slot))
 
     # -- restore --------------------------------------------------------------
     def versions(self) -> list[int]:
@@ -409,8 +357,7 @@ class SnapshotEngine:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
-        if self._preemption is not None:
-            self._preemption.uninstall()
+        self._preemption.uninstall()
         keep = None if job_finished else "it keeps the job's memory"
         try:
             self.wait_flushed()

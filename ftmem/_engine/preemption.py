@@ -45,11 +45,83 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ftmem._common.agreement import READ_WAIT_S, Decision
-from ftmem._common.logs import flush_logs, rank_info, rank_warning
+from ftmem._common.identity import RankIdentity
+from ftmem._common.logs import flush_logs, job_info, rank_info, rank_warning
 from ftmem.config import PreemptionConfig
+from ftmem._engine.commit import Committer
+from ftmem._engine.failure_detector import FailureDetector
+from ftmem._shm.jobs import node_dirs
+from ftmem._shm.smp import rank_owner
 
 _GO = "go"  # the decision's answer where every rank was told to stop (else why this is no preemption)
 POLL_S = 0.05
+
+
+class Preemption:
+    """One rank's side of a preemption, from the signal to the process's end: the watch of
+    the signal (:class:`PreemptionWatch`), the job's decision whether it is a preemption of the
+    whole job (:func:`whole_job_told`), and then the flush, which the commit pipeline's
+    protection thread makes in step with the other ranks
+    (:meth:`ftmem._engine.commit.Committer.flush_at_preemption`), each said in the log."""
+
+    def __init__(self, config: PreemptionConfig, identity: RankIdentity, job_store: Optional[dist.Store], run: str,
+                 committer: Committer, detector: Optional[FailureDetector]):
+        self.config, self.identity = config, identity
+        self._job_store, self._key = job_store, f"ftmem/preemption/{run}"
+        self._committer, self._detector = committer, detector
+        self._watch = PreemptionWatch.install(config, identity.rank, self._on_signal)
+
+    def uninstall(self) -> None:
+        """The signal does what it did before the engine started."""
+        if self._watch is not None:
+            self._watch.uninstall()
+
+    def _on_signal(self, signum: int, deadline: float) -> None:
+        """The job may have been told to stop (``signum``; the process ends after this):
+        if every rank was, the newest version goes to the persistent tier by ``deadline``."""
+        name, rank = signal.Signals(signum).name, self.identity.rank
+        handover = self._committer.handover
+        if handover is None:
+            job_info("%s: no persistent tier (\"ftmem.persist\") to flush to: what memory holds (%s) is lost if the "
+                     "job's machines go", name, self._held())
+            return
+        try:
+            why_not = whole_job_told(rank, self.identity.world_size, self._dead_here, arrival_s(self.config.grace_s),
+                                     self._job_store, self._key)
+        except Exception as e:  # the job's store went first (the rank that served it died)
+            why_not = f"the job's store does not answer ({str(e).splitlines()[0]})"  # (not torch's C++ frames)
+        if why_not is not None:  # training went on meanwhile: what memory holds now is what the restart finds
+            rank_info(rank, "%s, not as a preemption of the whole job (%s): nothing is flushed; the process ends now, "
+                      "and memory keeps %s for the restart", name, why_not, self._held())
+            return
+        if self._detector is not None:
+            self._detector.stop()  # every rank ends within the grace, one after the other: no failure
+        root = handover.flusher.root
+        job_info("%s to every rank: the newest version goes to %s before the processes end (%d s of grace)", name,
+                 root, self.config.grace_s)
+        final = self._committer.flush_at_preemption(deadline)
+        if final is None:
+            return say_grace_ended(rank, self.config.grace_s)
+        if final.written:
+            job_info("flushed version %d to %s at %s: a relaunch resumes from it", final.version, root, name)
+        elif final.problem is not None:
+            job_info("version %s was not flushed at %s (%s)", final.version, name, final.problem)
+        else:
+            job_info("at %s, version %s was on disk already", name, final.version)
+
+    def _held(self) -> str:
+        lag = self._committer.lag()
+        return f"version {lag.newest_protected} protected, {lag.newest_saved} saved"
+
+    def _dead_here(self) -> list[int]:
+        """The job's ranks on this host whose processes died (a failure's teardown follows)."""
+        rpn, dead = self.identity.ranks_per_node, []
+        for node, directory in node_dirs(self.identity.shm_dir, self.identity.job):
+            for rank in range(node * rpn, (node + 1) * rpn):
+                owner = rank_owner(directory, rank)
+                if rank != self.identity.rank and owner is not None and not owner[1]:
+                    dead.append(rank)
+        return dead
 
 
 def arrival_s(grace_s: float) -> float:

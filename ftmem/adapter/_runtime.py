@@ -366,7 +366,7 @@ class AdapterRuntime:
         version it saved itself (its framework loaded the resumed state and trained on): the
         adopted one, whose memory is the only copy of the version this job resumed from, and
         those its own resumed version's line descends from."""
-        if self._engine.anchor_saved is None:
+        if self._engine.protected_saved is None:
             return
         if self._adopted is not None:
             self._adopted.free(self._engine.identity.shm_dir)
