@@ -1,11 +1,11 @@
 """Start a job's ranks as local processes, one per rank, so that single ranks can be
 SIGKILLed and the job restarted: what torchrun does, minus its restart policy, for
-``ftmem demo`` and the benchmarks (the tests have their own, tests/harness/ranks.py)."""
+``ftmem demo``, the benchmarks and the tests (whose ranks tests/harness/ranks.py forks from a
+server that imported the framework already: :meth:`LocalJob.start_rank`)."""
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,24 +27,35 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.05)
 
 
-class LocalJob:
-    """``world_size`` processes running ``python -m <module> <args>`` as ranks of one job."""
+# What every rank gets: loopback for gloo, and one thread for the CPU math of a tiny model.
+RANK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
-    def __init__(self, module: str, args: Sequence[str], world_size: int, job_id: str,
+
+class LocalJob:
+    """``world_size`` processes running ``python -m <module> <args>`` as ranks of one job
+    (``FTMEM_JOB_ID`` ``job_id``, unless None)."""
+
+    def __init__(self, module: str, args: Sequence[str], world_size: int, job_id: Optional[str],
                  log_dir: str, env: Optional[dict] = None, rank_env: Optional[dict] = None):
         os.makedirs(log_dir, exist_ok=True)
         port = str(free_port())
         self.log_dir = log_dir
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list = []
         for rank in range(world_size):
             proc_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                            FTMEM_JOB_ID=job_id, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+                            **RANK_ENV)
+            if job_id is not None:
+                proc_env["FTMEM_JOB_ID"] = job_id
             proc_env.update(env or {}, **(rank_env or {}).get(rank, {}))
-            with open(self.log_path(rank), "ab") as log:
-                self.procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=proc_env,
-                                                   stdout=log, stderr=subprocess.STDOUT,
-                                                   stdin=subprocess.DEVNULL))
+            self.procs.append(self.start_rank(module, args, proc_env, self.log_path(rank)))
+
+    def start_rank(self, module: str, args: Sequence[str], env: dict, log_path: str):
+        """One rank's process (anything with ``subprocess.Popen``'s poll, wait and kill), its
+        output appended to ``log_path``."""
+        with open(log_path, "ab") as log:
+            return subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"rank{rank}.log")
@@ -73,7 +84,7 @@ class LocalJob:
     def kill(self, rank: int) -> None:
         """SIGKILL one rank, as a crash would."""
         if self.procs[rank].poll() is None:
-            os.kill(self.procs[rank].pid, signal.SIGKILL)
+            self.procs[rank].kill()
         self.procs[rank].wait()
 
     def kill_all(self) -> None:

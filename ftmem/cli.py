@@ -312,9 +312,19 @@ def _cmd_demo(args) -> int:
     return _run_tool("demo", "demo", args.args)
 
 
-def main(argv=None) -> int:
-    parser = Parser(prog="ftmem", description="In-memory fault tolerance for training jobs.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> Parser:
+    """The command's parser: a subcommand each, its flags typed and ranged."""
+    top = Parser(prog="ftmem", description="In-memory fault tolerance for training jobs.")
+    sub = top.add_subparsers(dest="command", required=True)
+    _add_memory_commands(sub)
+    _add_tools(sub)
+    _add_survival(sub)
+    _add_plan(sub)
+    return top
+
+
+def _add_memory_commands(sub) -> None:
+    """status, clean and export: what the jobs' shared memory holds, freed, or written to disk."""
 
     def add(name: str, help: str, fn) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
@@ -340,6 +350,10 @@ def main(argv=None) -> int:
     p.add_argument("--admit", metavar="MODULE.NAME", type=admitted_global_arg, action="append", default=[],
                    help="a type of the job's state that its processes admitted with torch.serialization."
                         "add_safe_globals; admit it here too (repeatable)")
+
+
+def _add_tools(sub) -> None:
+    """bench and demo, which run the tools of the checkout ftmem runs from."""
     installed = _tools()
     benches = dict(BENCHES, **{name[len("bench-"):]: f"({ep.value})" for name, ep in installed.items()
                                if name.startswith("bench-") and name[len("bench-"):] not in BENCHES})
@@ -359,6 +373,9 @@ def main(argv=None) -> int:
                                     "uninterrupted run [--shm-dir DIR]", add_help=False, prefix_chars="\0")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(fn=_cmd_demo)
+
+
+def _add_survival(sub) -> None:
     p = sub.add_parser("survival", help="probability that a version survives F random node failures, EC vs replication")
     p.add_argument("--nodes", type=int_in(1, survival.MAX_NODES), required=True,
                    help=f"at most {survival.MAX_NODES:,}")
@@ -374,6 +391,9 @@ def main(argv=None) -> int:
     p.add_argument("--window-minutes", type=number_in(1e-3, 1e7), default=10.0,
                    help="time to replace a node and re-protect")
     p.set_defaults(fn=_cmd_survival)
+
+
+def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="memory, time to protect, lag and survival for a model on a cluster, EC vs 2x "
                                     "replication", description="Plan ftmem's memory and protection for a model on a "
                                     "cluster, beside 2x replication (see docs/operations.md).")
@@ -403,9 +423,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object (see docs/operations.md)")
     p.set_defaults(fn=_cmd_plan)
 
-    args = parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    top = parser()
+    args = top.parse_args(argv)
     if getattr(args, "json", False) and args.command == "survival" and args.failures is None:
-        parser.error("survival --json needs --failures F")
+        top.error("survival --json needs --failures F")
     command = f"{args.command} {args.what}" if args.command == "bench" else args.command
     try:
         return args.fn(args)

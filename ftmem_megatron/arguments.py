@@ -109,7 +109,6 @@ def in_memory(args) -> bool:
 def validate_ftmem_args(args) -> FtmemConfig:
     """Check the flags together; returns the engine configuration. Errors name the
     flags and say what to pass instead."""
-    world_size = args.world_size
     given = _given_ftmem_flags(args)
     if not in_memory(args):
         if given:
@@ -117,6 +116,14 @@ def validate_ftmem_args(args) -> FtmemConfig:
                               f"--non-persistent-ckpt-type is {getattr(args, 'non_persistent_ckpt_type', None)!r}. "
                               f"Add --non-persistent-ckpt-type in_memory, or drop them.")
         return FtmemConfig()
+    _check_megatron_flags(args)
+    config = _config_of(args)
+    _check_the_layout(config, args.world_size)
+    return config
+
+
+def _check_megatron_flags(args) -> None:
+    """Megatron's own flags that in-memory checkpoints need, or do not go with."""
     interval = getattr(args, "non_persistent_save_interval", None)
     if not interval or interval < 1:
         raise ConfigError(f"--non-persistent-ckpt-type in_memory needs --non-persistent-save-interval N "
@@ -133,6 +140,11 @@ def validate_ftmem_args(args) -> FtmemConfig:
         raise ConfigError("--non-persistent-ckpt-type in_memory needs --save and --load (usually the same "
                           "directory): Megatron takes non-persistent checkpoints only when --save is set and "
                           "restores only with --load, and that is where a disk fallback comes from.")
+
+
+def _config_of(args) -> FtmemConfig:
+    """The engine's configuration from the --ftmem-* flags, checked by the config's own schema;
+    its errors name the flags the user wrote, not the config's keys."""
     if (args.ftmem_ec_k is None) != (args.ftmem_ec_m is None):
         raise ConfigError(f"--ftmem-ec-k and --ftmem-ec-m go together (got k={args.ftmem_ec_k}, "
                           f"m={args.ftmem_ec_m}); pass both, or neither for defaults that fit the node count.")
@@ -149,11 +161,15 @@ def validate_ftmem_args(args) -> FtmemConfig:
         config = FtmemConfig.from_dict(section)  # the config's schema checks every value
         config.network.resolve()  # on every rank, so on every host: an interface one lacks stops the job now
     except ConfigError as e:
-        # Its messages name the config keys ("ftmem.ec.k"); name the flags the user wrote.
         message = str(e)
         for flag, _, key in FTMEM_FLAGS:
             message = message.replace(f'"ftmem.{key}"', flag)
         raise ConfigError(message) from None
+    return config
+
+
+def _check_the_layout(config: FtmemConfig, world_size: int) -> None:
+    """Ranks per node and the EC groups against the world size."""
     rpn = config.ranks_per_node
     if rpn is not None and world_size % rpn:
         raise ConfigError(f"--ftmem-ranks-per-node {rpn} does not divide the world size {world_size}: every node "
@@ -164,4 +180,3 @@ def validate_ftmem_args(args) -> FtmemConfig:
             raise ConfigError(f"--ftmem-ec-k {config.ec.k} --ftmem-ec-m {config.ec.m} needs groups of "
                               f"{config.ec.k + config.ec.m} nodes, but {world_size} ranks at "
                               f"{rpn} per node make {nodes}. Use k + m <= {nodes}, or leave both out.")
-    return config

@@ -376,52 +376,20 @@ class Committer:
             self._copy(save)
 
     def _copy(self, save: _Save) -> None:
-        version = save.record.version
-        with self._cv:
-            save.copy_started = time.monotonic()
-            slot = self._slot_for_copy()
-            if slot is None:
-                save.advance(State.SKIPPED)
-                self._unprotected += 1
-            else:
-                save.advance(State.COPYING)
-                for other in self._saves.values():
-                    if other is not save and other.record.slot == slot and other.state is State.COMMITTED:
-                        other.advance(State.REPLACED)
-                save.record = dataclasses.replace(save.record, slot=slot)
+        slot = self._take_slot(save)
         if slot is None:
             save.tensors = None
             save.handle._skip()
             if not self._skipped_before:
                 self._skipped_before = True
                 job_info("version %d skipped: both slots hold versions being protected, as every save that comes "
-                         "while a protection runs will be (\"slots\": 3 keeps the newest copy meanwhile)", version)
+                         "while a protection runs will be (\"slots\": 3 keeps the newest copy meanwhile)",
+                         save.record.version)
             with self._cv:
                 self._cv.notify_all()
             return
         try:
-            self.store.drop_slot(slot)  # what the slot held becomes invisible first
-            slot_bytes = self.memory.bytes_of(slot)
-            if any(t.is_cuda for t in save.tensors):
-                self.memory.pin(slot_bytes)
-            windows = self._windows.of(slot, slot_bytes, save.record.plan)
-            copy_into_slot(windows, save.tensors, save.cuda_ready, self._side_streams,
-                           halfway=lambda: testhooks.at("mid_copy", self.rank, version))
-            save.tensors = None
-            with self._cv:
-                save.advance(State.COPIED)
-            # Reusable before the checksum: the source tensors are not read again, so the
-            # optimizer step waits for the copy only, never for the checksum.
-            save.handle._set_reusable()
-            # Taken from the slot before the marker exists: a version is never committed
-            # without the checksum of exactly what was written (ftmem._shm.integrity).
-            record = dataclasses.replace(save.record,
-                                         checksum=data_checksum(slot_bytes.numpy()[: save.record.plan.nbytes]))
-            self.store.write_commit(record)
-            with self._cv:
-                save.record = record
-                save.advance(State.COMMITTED)
-            testhooks.at("after_commit", self.rank, version)
+            self._copy_into(save, slot)
         except BaseException as e:
             with self._cv:
                 save.advance(State.FAILED)
@@ -431,6 +399,48 @@ class Committer:
             save.tensors = None
             with self._cv:
                 self._cv.notify_all()
+
+    def _take_slot(self, save: _Save) -> Optional[int]:
+        """The data slot ``save`` goes into (the save is copying, and a committed save that
+        held the slot replaced), or None where every slot is kept (the save is skipped)."""
+        with self._cv:
+            save.copy_started = time.monotonic()
+            slot = self._slot_for_copy()
+            if slot is None:
+                save.advance(State.SKIPPED)
+                self._unprotected += 1
+                return None
+            save.advance(State.COPYING)
+            for other in self._saves.values():
+                if other is not save and other.record.slot == slot and other.state is State.COMMITTED:
+                    other.advance(State.REPLACED)
+            save.record = dataclasses.replace(save.record, slot=slot)
+            return slot
+
+    def _copy_into(self, save: _Save, slot: int) -> None:
+        """Copy ``save`` into ``slot``, then checksum what was written and commit it."""
+        version = save.record.version
+        self.store.drop_slot(slot)  # what the slot held becomes invisible first
+        slot_bytes = self.memory.bytes_of(slot)
+        if any(t.is_cuda for t in save.tensors):
+            self.memory.pin(slot_bytes)
+        windows = self._windows.of(slot, slot_bytes, save.record.plan)
+        copy_into_slot(windows, save.tensors, save.cuda_ready, self._side_streams,
+                       halfway=lambda: testhooks.at("mid_copy", self.rank, version))
+        save.tensors = None
+        with self._cv:
+            save.advance(State.COPIED)
+        # Reusable before the checksum: the source tensors are not read again, so the
+        # optimizer step waits for the copy only, never for the checksum.
+        save.handle._set_reusable()
+        # Taken from the slot before the marker exists: a version is never committed
+        # without the checksum of exactly what was written (ftmem._shm.integrity).
+        record = dataclasses.replace(save.record, checksum=data_checksum(slot_bytes.numpy()[: save.record.plan.nbytes]))
+        self.store.write_commit(record)
+        with self._cv:
+            save.record = record
+            save.advance(State.COMMITTED)
+        testhooks.at("after_commit", self.rank, version)
 
     def _slot_for_copy(self) -> Optional[int]:
         """A data slot for the next copy, or None if every one is kept (under _cv): not the

@@ -276,18 +276,9 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
     read_here = _read_by(rank, old, seen, here)
     stores = {r: RankStore(path, r) for path in read_here.values() for r in node_ranks(path)}
     commits, parities = _records_of(stores, identity.origin, timeline, group)
-    sample = next((record for held in commits.values() for record in held.values()), None)
-    if sample is None:
-        raise NotRecoverableFromMemory(f"job {old}'s memory holds no readable version.")
-    if sample.format != format_name:
-        raise LayoutMismatch(f"job {old}'s versions were saved by the {sample.format} adapter, and this job runs "
-                             f"{format_name}")
-    layout = sample.layout
+    layout = _loadable_layout(old, commits, format_name, other_worlds)
     world = sum(len(g) for g in layout.dp_groups)
     per_node = max(n for held in seen for n, _ in held.get(old, {}).values())
-    refusal = other_worlds.refuse(layout)
-    if refusal:
-        raise LayoutMismatch(refusal)
     loads = other_worlds.loads(layout)
     mine = set(range(world) if loads is None else loads)
     loaded_by = gather(mine, group)  # each new rank's
@@ -313,9 +304,40 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
     parity = {r: buffer for (r, kind), buffer in held.items() if kind == PARITY}
     records, received = {r: commits[r][chosen] for r in data}, len(data)
     rebuilt_here = sorted(r for r in lost if r in needed_for(mine))
+    _rebuild_here(rebuilt_here, topology, chosen, records, data, parity, parities, old, group)
+    states = _old_states(records, data, mine, world)
+    if loads is not None:
+        rank_info(rank, "takes old rank(s) %s's state of job %s's version %d (the data of %d of its %d old ranks "
+                  "received, %d rebuilt)", sorted(mine), old, chosen, received, world, len(rebuilt_here))
+    uid = next(held[chosen].uid for held in commits.values() if chosen in held)
+    return Adopted(job=old, version=chosen, uid=uid, timeline=timeline, world=world_in_words(world, per_node),
+                   layout=layout, states=states,
+                   rebuilt=sorted(r for r in lost if r in needed), read_here=sorted(read_here.values()))
+
+
+def _loadable_layout(old: str, commits: dict, format_name: str, other_worlds: OtherWorlds) -> ParallelLayout:
+    """The layout job ``old`` saved its versions under, once the adapter said it can load it
+    (LayoutMismatch with the adapter's reason, or the format's, where it cannot)."""
+    sample = next((record for held in commits.values() for record in held.values()), None)
+    if sample is None:
+        raise NotRecoverableFromMemory(f"job {old}'s memory holds no readable version.")
+    if sample.format != format_name:
+        raise LayoutMismatch(f"job {old}'s versions were saved by the {sample.format} adapter, and this job runs "
+                             f"{format_name}")
+    refusal = other_worlds.refuse(sample.layout)
+    if refusal:
+        raise LayoutMismatch(refusal)
+    return sample.layout
+
+
+def _rebuild_here(lost: list[int], topology: Topology, chosen: int, records: dict, data: dict, parity: dict,
+                  parities: dict, old: str, group: Optional[dist.ProcessGroup]) -> None:
+    """Rebuild the old ranks ``lost`` that this rank rebuilds, into ``records`` and ``data``
+    (collective: every rank says whether its own rebuilds worked, and all raise the first
+    problem, NotRecoverableFromMemory, alike)."""
     problem = None
     try:
-        for r in rebuilt_here:
+        for r in lost:
             records[r], data[r] = _rebuild(topology, r, chosen, data, parity, parities, old)
     except NotRecoverableFromMemory as e:
         problem = str(e)
@@ -324,24 +346,22 @@ def _adopt_from(old: str, identity: RankIdentity, seen: list, here: dict, rank: 
     problem = first_problem(problem, group)  # each rank rebuilds its own
     if problem is not None:
         raise NotRecoverableFromMemory(problem)
+
+
+def _old_states(records: dict, data: dict, mine: set[int], world: int) -> list:
+    """The state of each old rank this rank loads (None for the others), out of its data: a
+    DP-sharded one's replicated stream joined from its old DP group's, once per group."""
     streams: dict[tuple, torch.Tensor] = {}
 
-    def stream_of(r: int) -> torch.Tensor:  # the replicated stream of r's old DP group, joined once
+    def stream_of(r: int) -> torch.Tensor:
         replicas = tuple(sorted(records[r].layout.dp_group_of(r), key=lambda q: records[q].plan.shard.index))
         if replicas not in streams:
             streams[replicas] = joined_stream([(data[q], records[q].plan) for q in replicas])
         return streams[replicas]
 
-    states = [join_state(records[r].skeleton, read_from_slot(data[r], records[r].plan, torch.device("cpu"),
-                                                             lambda r=r: stream_of(r))) if r in mine else None
-              for r in range(world)]
-    if loads is not None:
-        rank_info(rank, "takes old rank(s) %s's state of job %s's version %d (the data of %d of its %d old ranks "
-                  "received, %d rebuilt)", sorted(mine), old, chosen, received, world, len(rebuilt_here))
-    uid = next(held[chosen].uid for held in commits.values() if chosen in held)
-    return Adopted(job=old, version=chosen, uid=uid, timeline=timeline, world=world_in_words(world, per_node),
-                   layout=layout, states=states,
-                   rebuilt=sorted(r for r in lost if r in needed), read_here=sorted(read_here.values()))
+    return [join_state(records[r].skeleton, read_from_slot(data[r], records[r].plan, torch.device("cpu"),
+                                                           lambda r=r: stream_of(r))) if r in mine else None
+            for r in range(world)]
 
 
 def _records_of(stores: dict[int, RankStore], origin: str, timeline: Optional[str],

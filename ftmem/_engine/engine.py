@@ -110,11 +110,29 @@ class SnapshotEngine:
         self.layout = layout or ParallelLayout.data_parallel(world_size)
         self.layout.validate(world_size)
         self.format = format
-        dp_ranks = self.layout.dp_group_of(rank)
-        dp_shard = len(dp_ranks) > 1 and self.config.dp_shard in ("on", "auto")
         k, m = self.config.ec.resolve(self.identity.num_nodes)
         self.topology = Topology(world_size, self.identity.ranks_per_node,
                                  tuple(ec_groups(self.identity.num_nodes, k, m)))
+        self._make_groups(parity=m > 0)
+        refuse_another_node_layout(self.identity, self.job_group)
+        self._attach_to_the_node()
+        # This run's id, the same on every rank: with a count of its saves, it names each save
+        # (CommitRecord.uid); a run that starts from scratch or from disk starts a timeline of that name.
+        self._run = gather(secrets.token_hex(8), self.job_group)[0]
+        self._saves = 0
+        self.timeline: Optional[str] = None  # of the versions this run saves: set at its resume or first save
+        self.lineage: Optional[VersionRef] = None  # recorded in each version (CommitRecord.lineage)
+        self._start_the_pipeline()
+        self._closed = self._ended = False
+        self._verdict: Optional[str] = None  # the job's verdict on its end (end_of_job), once self._ended
+        self._pid = os.getpid()  # a forked child's copy of the engine acts for nobody
+        self._watch_the_process()
+
+    def _make_groups(self, parity: bool) -> None:
+        """ftmem's own gloo groups (collective, the same on every rank): the job's, the DP
+        replicas', and the EC column's where the job keeps ``parity``; none on one rank."""
+        rank, world_size = self.rank, self.identity.world_size
+        dp_ranks = self.layout.dp_group_of(rank)
         gloo = dp_group = column = None
         if world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
@@ -127,47 +145,51 @@ class SnapshotEngine:
                 job_info("ftmem's process groups take the network interface %s", interface)
             gloo = new_group(interface=interface)
             dp_group = make_dp_groups(self.layout, rank, interface)
-            if m > 0:
+            if parity:
                 column = ColumnCoder(self.topology, rank)
                 column.pg = make_column_groups(self.topology, rank, interface)
+        self._dp_shard = len(dp_ranks) > 1 and self.config.dp_shard in ("on", "auto")
         #: this rank's DP replicas and their gloo group (adapters use it too: one group per DP group)
         self.dp_peers = DataParallelPeers(ranks=dp_ranks, group=dp_group if len(dp_ranks) > 1 else None,
-                                          sharded=dp_shard)
+                                          sharded=self._dp_shard)
         #: a gloo group of the whole job, apart from the training groups (None on one rank)
         self.job_group = gloo
-        self._dp_shard, self._column = dp_shard, column
+        self._column = column
         # Held from the start: the job's end decides on it, also after the script destroyed
         # torch.distributed's groups (and, on the rank whose process serves it, keeps it served).
         self._job_store = dist.distributed_c10d._get_default_store() if world_size > 1 else None
-        refuse_another_node_layout(self.identity, gloo)
-        node = self.identity.node
-        self._smp = SmpClient(self.identity.node_dir, list(range(node * self.identity.ranks_per_node,
-                                                                 (node + 1) * self.identity.ranks_per_node)))
-        self._smp.request("hello", rank, os.getpid())
-        self.store = RankStore(self.identity.node_dir, rank, self.config.slots)
-        refuse_foreign_versions(self.store, self.identity, gloo)
-        # This run's id, the same on every rank: with a count of its saves, it names each save
-        # (CommitRecord.uid); a run that starts from scratch or from disk starts a timeline of that name.
-        self._run = gather(secrets.token_hex(8), gloo)[0]
-        self._saves = 0
-        self.timeline: Optional[str] = None  # of the versions this run saves: set at its resume or first save
+
+    def _attach_to_the_node(self) -> None:
+        """This rank's SMP (started if the node has none) and its slots in the node's shared
+        memory, once no other job's versions are found there under this job's id."""
+        identity, rpn = self.identity, self.identity.ranks_per_node
+        self._smp = SmpClient(identity.node_dir, list(range(identity.node * rpn, (identity.node + 1) * rpn)))
+        self._smp.request("hello", self.rank, os.getpid())
+        self.store = RankStore(identity.node_dir, self.rank, self.config.slots)
+        refuse_foreign_versions(self.store, identity, self.job_group)
         self.memory = SlotMemory(self.store, self._smp, self.config.shm_budget)
+
+    def _start_the_pipeline(self) -> None:
+        """The restore's side and the commit pipeline's, whose collectives wait bounded and
+        name the ranks that did not come (their arrivals keyed by this run)."""
+        gloo, column, world_size = self.job_group, self._column, self.identity.world_size
         self._restorer = Restorer(self.store, self.memory, self.topology, column, gloo, self.dp_peers, self.layout)
         arrivals = None
-        if gloo is not None:  # the protection's waits are bounded, and name the ranks that did not come
-            arrivals = Arrivals(self._job_store, f"ftmem/arrivals/{self._run}/rounds", rank, range(world_size))
+        if gloo is not None:
+            arrivals = Arrivals(self._job_store, f"ftmem/arrivals/{self._run}/rounds", self.rank, range(world_size))
             if column is not None:
-                column.arrivals = Arrivals(self._job_store, f"ftmem/arrivals/{self._run}/column", rank,
+                column.arrivals = Arrivals(self._job_store, f"ftmem/arrivals/{self._run}/column", self.rank,
                                            [dist.get_global_rank(column.pg, i) for i in range(column.group.n)])
         self._committer = Committer(self.store, self.memory, column, gloo, arrivals)
         self._planner = Planner()
-        self.lineage: Optional[VersionRef] = None  # recorded in each version (CommitRecord.lineage)
-        self._closed = self._ended = False
-        self._verdict: Optional[str] = None  # the job's verdict on its end (end_of_job), once self._ended
-        self._pid = os.getpid()  # a forked child's copy of the engine acts for nobody
+
+    def _watch_the_process(self) -> None:
+        """What watches from outside the training's calls: how the process ends
+        (:mod:`ftmem._common.exit_status`), the failure detector's threads, the preemption's
+        signal handler."""
         exit_status.watch()
-        self._detector = FailureDetector.start(self.config.failure_detection.resolve(), self._run, rank, world_size,
-                                               self.identity.ranks_per_node)
+        self._detector = FailureDetector.start(self.config.failure_detection.resolve(), self._run, self.rank,
+                                               self.identity.world_size, self.identity.ranks_per_node)
         self._preemption = Preemption(self.config.preemption, self.identity, self._job_store, self._run,
                                       self._committer, self._detector)
 

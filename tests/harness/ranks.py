@@ -15,36 +15,23 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
+
+from examples import launch
 
 #: the repository's root: ranks run from it, as ``python -m`` of its modules
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: what every rank gets (OMP_NUM_THREADS is read at torch's import: its server is started with it too)
-RANK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+RANK_ENV = launch.RANK_ENV
+free_port, wait_until = launch.free_port, launch.wait_until
 # Read while torch and DeepSpeed are imported: each set of their values has its server.
 # DeepSpeed picks its accelerator at import; a server's is the CPU, which is also what a
 # rank on a machine without CUDA finds by itself (a rank asking for another starts cold).
 _IMPORT_ENV = ("PYTHONPATH", "PYTHONHOME", "TORCH_DEVICE_BACKEND_AUTOLOAD", "OMP_NUM_THREADS")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def _import_env(env: dict) -> tuple:
@@ -229,68 +216,9 @@ def start_rank(module: str, args: Sequence[str], env: dict, log_path: str):
     return proc
 
 
-class LocalJob:
-    """``world_size`` processes running ``python -m <module> <args>`` as ranks of one job."""
+class LocalJob(launch.LocalJob):
+    """The job of examples/launch.py, its ranks forked by the fork server of their imports
+    (:func:`start_rank`) and ended with the test (:func:`kill_ranks_left_running`)."""
 
-    def __init__(self, module: str, args: Sequence[str], world_size: int, job_id: Optional[str],
-                 log_dir: str, env: Optional[dict] = None, rank_env: Optional[dict] = None):
-        os.makedirs(log_dir, exist_ok=True)
-        port = str(free_port())
-        self.log_dir = log_dir
-        self.procs: list = []
-        for rank in range(world_size):
-            proc_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                            **RANK_ENV)
-            if job_id is not None:
-                proc_env["FTMEM_JOB_ID"] = job_id
-            proc_env.update(env or {}, **(rank_env or {}).get(rank, {}))
-            self.procs.append(start_rank(module, args, proc_env, self.log_path(rank)))
-
-    def log_path(self, rank: int) -> str:
-        return os.path.join(self.log_dir, f"rank{rank}.log")
-
-    @staticmethod
-    def read_log(log_dir: str, rank: int) -> str:
-        """What a rank printed, across every job started with this log dir."""
-        with open(os.path.join(log_dir, f"rank{rank}.log"), errors="replace") as f:
-            return f.read()
-
-    def log(self, rank: int) -> str:
-        return self.read_log(self.log_dir, rank)
-
-    def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
-        """Wait for ``predicate``; fail at once, with the logs, if a rank exits meanwhile."""
-        def ready() -> bool:
-            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
-            if dead and not predicate():
-                raise RuntimeError(f"rank(s) {dead} exited while waiting for {what}. Logs:\n{self.tails()}")
-            return predicate()
-        wait_until(ready, timeout, what)
-
-    def tails(self) -> str:
-        return "\n".join(f"--- rank {r} ---\n{self.log(r)[-3000:]}" for r in range(len(self.procs)))
-
-    def kill(self, rank: int) -> None:
-        """SIGKILL one rank, as a crash would."""
-        self.procs[rank].kill()
-        self.procs[rank].wait()
-
-    def kill_all(self) -> None:
-        for rank in range(len(self.procs)):
-            self.kill(rank)
-
-    def wait(self, timeout: float) -> list[int]:
-        """Wait for every rank to exit; kill the job and raise if it takes longer."""
-        deadline = time.monotonic() + timeout
-        try:
-            return [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in self.procs]
-        except subprocess.TimeoutExpired:
-            self.kill_all()
-            raise TimeoutError(f"job did not finish within {timeout:.0f} s; killed it. Logs:\n{self.tails()}")
-
-    def __enter__(self) -> "LocalJob":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.kill_all()
+    def start_rank(self, module: str, args: Sequence[str], env: dict, log_path: str):
+        return start_rank(module, args, env, log_path)
