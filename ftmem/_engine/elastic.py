@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from ftmem._shm import integrity
-from ftmem._state.checksum import data_checksum
 from ftmem._ec.codec import Codec
 from ftmem._state.reader import joined_stream, read_from_slot
 from ftmem.errors import CorruptShard, EcGeometryMismatch, LayoutMismatch, NotRecoverableFromMemory
@@ -52,7 +51,8 @@ from ftmem._common.logs import job_info, rank_info
 from ftmem._engine.ownership import other_jobs_of_origin, readable_records
 from ftmem._common.parallel import ParallelLayout
 from ftmem._ec.placement import ECGroup
-from ftmem._ec.protect import Geometry, Topology, decode_member, member_piece, plan_recovery
+from ftmem._ec.protect import Geometry, Topology, decode_member, member_piece
+from ftmem._engine.recovery import choose_intact, rebuilt_problem
 from ftmem._common.collective import first_problem, gather
 from ftmem._state.serialize import join_state
 from ftmem._shm.slots import (DATA, PARITY, CommitRecord, ParityRecord, RankStore, VersionRef, decode_record,
@@ -419,21 +419,22 @@ def _wanted(topology: Topology, lost: list[int], needed: set[int], version: int,
 
 def _choose(topology: Topology, stores: dict[int, RankStore], commits: dict, parities: dict,
             group: Optional[dist.ProcessGroup], old: str, needed: set[int]) -> tuple[int, list[int], dict]:
-    """The version to adopt, the old ranks lost from it, and the bytes of it this rank
-    reads for the ``needed`` old ranks ({(old rank, DATA or PARITY): bytes}), read into
-    private memory and checked first (before any rank waits in a broadcast for them): a
-    damaged or unreadable copy counts as lost, on every rank alike, and the version is
-    chosen again."""
-    while True:
+    """The version to adopt (:func:`ftmem._engine.recovery.choose_intact`), the old ranks lost
+    from it, and the bytes of it this rank reads for the ``needed`` old ranks ({(old rank,
+    DATA or PARITY): bytes}), read into private memory and checked first (before any rank waits
+    in a broadcast for them): a damaged or unreadable copy counts as lost, on every rank
+    alike, and the version is chosen again."""
+    read: dict = {}
+
+    def every_old_rank_s() -> tuple[list, list]:
         ranks = range(topology.world_size)
-        decision = plan_recovery(topology, [{v: c.plan.nbytes for v, c in commits.get(r, {}).items()} for r in ranks],
-                                 [{v: Geometry.of(p) for v, p in parities.get(r, {}).items()} for r in ranks],
-                                 needed=needed)
-        if decision is None:
-            raise NotRecoverableFromMemory(f"job {old}'s memory holds no intact version.")
-        chosen, lost = decision
+        return ([{v: c.plan.nbytes for v, c in commits.get(r, {}).items()} for r in ranks],
+                [{v: Geometry.of(p) for v, p in parities.get(r, {}).items()} for r in ranks])
+
+    def damaged(chosen: int, lost: list[int]) -> bool:
         moved, columns = _to_move(topology, lost, needed)
-        read, damaged = {}, []
+        read.clear()
+        found = []
         for r, store in stores.items():
             wanted = [(DATA, commits.get(r, {}).get(chosen))] if r in moved else []
             if topology.column_of(r) in columns:
@@ -443,15 +444,20 @@ def _choose(topology: Topology, stores: dict[int, RankStore], commits: dict, par
                     if record is not None:
                         read[(r, kind)] = _read_checked(store, record, kind)
                 except CorruptShard as e:
-                    damaged.append((r, kind, str(e)))
-        damaged = [d for found in gather(damaged, group) for d in found]
-        if not damaged:
-            return chosen, sorted(lost), read
-        for r, kind, why in damaged:
+                    found.append((r, kind, str(e)))
+        found = [d for each in gather(found, group) for d in each]
+        for r, kind, why in found:
             job_info("job %s: %s Treating it as lost.", old, why)
             parities[r].pop(chosen, None)  # damaged data takes its rank's parity with it, as in a restore
             if kind == DATA:
                 commits[r].pop(chosen, None)
+        return bool(found)
+
+    decision = choose_intact(topology, every_old_rank_s, damaged, needed=needed)
+    if decision is None:
+        raise NotRecoverableFromMemory(f"job {old}'s memory holds no intact version.")
+    chosen, lost = decision
+    return chosen, sorted(lost), read
 
 
 def _read_checked(store: RankStore, record, kind: str) -> torch.Tensor:
@@ -520,8 +526,8 @@ def _rebuild(topology: Topology, r: int, version: int, data: dict[int, torch.Ten
     pos = column.index(r)
     raw = decode_member(Codec(ec.k, ec.m), ec, pos, held, has_data, has_parity, piece_of)
     record = held.records[pos]
-    if record.version != version or data_checksum(raw) != record.checksum:
+    problem = "is of another version" if record.version != version else rebuilt_problem(record, raw)
+    if problem is not None:
         raise NotRecoverableFromMemory(f"job {old}'s rank {r} (lost with its node) could not be rebuilt from its EC "
-                                       f"group's parity: the rebuilt data does not match the checksum its writer "
-                                       f"took. Fall back to a disk checkpoint.")
+                                       f"group's parity: the rebuilt data {problem}. Fall back to a disk checkpoint.")
     return record, torch.from_numpy(raw)

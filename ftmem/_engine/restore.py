@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from ftmem._shm import integrity
 from ftmem._common import testhooks
-from ftmem._state.checksum import data_checksum
 from ftmem._state.reader import read_from_slot
 from ftmem._state.destinations import destinations, saved_shape
 from ftmem.errors import CorruptShard, FtmemError, LayoutMismatch, NotRecoverableFromMemory
@@ -26,7 +25,8 @@ from ftmem._common.collective import all_problems, gather
 from ftmem._common.logs import rank_info, rank_warning
 from ftmem._common.parallel import ParallelLayout
 from ftmem._state.plan import SnapshotPlan
-from ftmem._ec.protect import ColumnCoder, Geometry, Topology, plan_recovery, with_slot
+from ftmem._ec.protect import ColumnCoder, Geometry, Topology, with_slot
+from ftmem._engine.recovery import choose_intact, rebuilt_problem
 from ftmem._state.serialize import join_state
 from ftmem._shm.slot_memory import SlotMemory
 from ftmem._shm.slots import DATA, PARITY, CommitRecord, ParityRecord, RankStore, VersionRef
@@ -216,19 +216,22 @@ class Restorer:
         return damaged
 
     def _choose_version(self, version: Optional[int], data: dict, parity: dict) -> Optional[tuple[int, list[int], list]]:
-        """The job's choice, as :func:`plan_recovery` makes it from every rank's held versions,
-        with the chosen version's bytes checked on every rank; a rank with damaged bytes drops
-        them and the job chooses again. Returns None, or (chosen, to_rebuild, every rank's held)."""
-        while True:
-            held = gather(({v: r.plan.nbytes for v, r in data.items()},
-                           {v: Geometry.of(p) for v, p in parity.items()}), self._gloo)
-            decision = plan_recovery(self.topology, [d for d, _ in held], [p for _, p in held], version)
-            if decision is None:
-                return None
-            chosen, to_rebuild = decision
-            damaged = self._check(chosen, data, parity, parity_needed=bool(to_rebuild))
-            if not any(gather(damaged, self._gloo)):
-                return chosen, to_rebuild, held
+        """The job's choice (:func:`ftmem._engine.recovery.choose_intact`) from every rank's held
+        versions, with the chosen version's bytes checked on every rank; a rank with damaged
+        bytes drops them and the job chooses again. Returns None, or (chosen, to_rebuild, every
+        rank's held)."""
+        held = []
+
+        def every_rank_s() -> tuple[list, list]:
+            held[:] = gather(({v: r.plan.nbytes for v, r in data.items()},
+                              {v: Geometry.of(p) for v, p in parity.items()}), self._gloo)
+            return [d for d, _ in held], [p for _, p in held]
+
+        def damaged(chosen: int, to_rebuild: list[int]) -> bool:
+            return any(gather(self._check(chosen, data, parity, parity_needed=bool(to_rebuild)), self._gloo))
+
+        decision = choose_intact(self.topology, every_rank_s, damaged, version)
+        return None if decision is None else (*decision, held)
 
     def choose(self, version: Optional[int], timeline: Optional[str] = None) -> Optional[Chosen]:
         """The restore's first phase (collective): agree job-wide on the version (``version``,
@@ -352,9 +355,10 @@ class Restorer:
         if rebuilt is None:
             return None
         record, raw = rebuilt
-        if len(raw) != record.plan.nbytes or data_checksum(raw) != record.checksum:
-            return (f"rank {self.rank}'s data rebuilt from parity does not match the checksum its writer took "
-                    f"(the parity does not belong to the data the survivors hold)")
+        problem = rebuilt_problem(record, raw)
+        if problem is not None:
+            return (f"rank {self.rank}'s data rebuilt from parity {problem} (the parity does not belong to the data "
+                    f"the survivors hold)")
         # A failure here is this rank's alone: said as a problem, so that every rank stops
         # with the reason, not on a peer's exit (or waiting for a peer that caught it).
         try:
