@@ -222,3 +222,16 @@ class LocalJob(launch.LocalJob):
 
     def start_rank(self, module: str, args: Sequence[str], env: dict, log_path: str):
         return start_rank(module, args, env, log_path)
+
+
+def script_outputs(script: str, args: Sequence[Sequence[str]], timeout: float, env: Optional[dict] = None) -> list:
+    """What each of the processes running ``python -c script *args[i]`` printed (its output and
+    errors, with the repository as working directory), once all ended; each one still running
+    after ``timeout`` is killed."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, *each], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for each in args]
+    try:
+        return [proc.communicate(timeout=timeout)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()

@@ -2,8 +2,6 @@
 the rank whose process serves the store ending first, a stale answer of an earlier attempt, a
 rank late to a decision taken without it, a wait that runs out, an objection that does not
 wait. On a real TCP store, with real processes where one's end is the point."""
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -11,7 +9,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from harness.ranks import REPO, free_port
+from harness.ranks import free_port, script_outputs
 from ftmem._common.agreement import Decision, unanimous
 
 READERS = textwrap.dedent("""
@@ -37,14 +35,8 @@ READERS = textwrap.dedent("""
 def test_the_rank_that_serves_the_store_ends_only_once_the_others_have_read_the_answer():
     """Rank 0's process serves the store and ends right after its decision, as a rank does at
     a signal. The others, slow to read, must get the answer, not find the store gone."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", READERS, str(rank), str(port)], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(3)]
-    try:
-        said = [proc.communicate(timeout=60)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
+    port = str(free_port())
+    said = script_outputs(READERS, [[str(rank), port] for rank in range(3)], 60)
     assert "rank 0: read by 3" in said[0], said
     assert "rank 1: read flush" in said[1] and "rank 2: read flush" in said[2], said
 

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from harness.common import job_id
-from harness.ranks import RANK_ENV, REPO, LocalJob, free_port, wait_until
+from harness.ranks import RANK_ENV, REPO, LocalJob, free_port, script_outputs, wait_until
 
 SCRIPT = textwrap.dedent("""
     import signal, sys, time
@@ -152,12 +152,6 @@ def test_the_rank_that_serves_the_store_ends_only_once_the_others_read_why_this_
     SIGTERM that follows is a teardown: rank 0 decides so at once; rank 2 gets there after that
     decision, and must read the same reason, not find the store gone with rank 0."""
     env = dict(os.environ, **RANK_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [subprocess.Popen([sys.executable, "-c", TEARDOWN, str(rank)], cwd=REPO, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(3)]
-    try:
-        said = [proc.communicate(timeout=120)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
+    said = script_outputs(TEARDOWN, [[str(rank)] for rank in range(3)], 120, env)
     why = "decided: rank(s) [1] of this host had died first, as in a teardown after a failure"
     assert why in said[0] and why in said[2], said
