@@ -437,10 +437,11 @@ class Committer:
         # without the checksum of exactly what was written (ftmem._shm.integrity).
         record = dataclasses.replace(save.record, checksum=data_checksum(slot_bytes.numpy()[: save.record.plan.nbytes]))
         self.store.write_commit(record)
+        # Before the protection thread may see the commit: nothing but the marker exists yet.
+        testhooks.at("after_commit", self.rank, version)
         with self._cv:
             save.record = record
             save.advance(State.COMMITTED)
-        testhooks.at("after_commit", self.rank, version)
 
     def _slot_for_copy(self) -> Optional[int]:
         """A data slot for the next copy, or None if every one is kept (under _cv): not the
