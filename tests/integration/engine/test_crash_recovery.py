@@ -23,7 +23,10 @@ def reference(tmp_path_factory):
 def test_killed_between_saves(shm_dir, tmp_path, reference):
     job = TrainJob(shm_dir, tmp_path, WORLD)
     job.run_until_stopped(after=5)
-    assert job.held(0) == job.held(1) and job.held(0)[-1] == 5 and len(job.held(0)) <= 3
+    # Which older versions a node still holds beside 5 depends on when its protection rounds
+    # ended against its copies (saves never wait for protection): only the newest is promised.
+    for node in range(WORLD):
+        assert job.held(node)[-1] == 5 and len(job.held(node)) <= 3, (job.held(0), job.held(1))
     assert job.nodes()[0]["protected"] == 5  # mirrored to the other node (k=1, m=1 on 2 nodes)
     job.restart_and_check(reference, expect_version=5)
 
