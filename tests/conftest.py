@@ -6,6 +6,8 @@ import shutil
 
 import pytest
 
+from harness import campaign
+from harness.campaign import fault_clock  # noqa: F401 (a fixture of every test)
 from harness.common import LogLines, TEST_SHM_PREFIX, free_shm_dir, leftover_smps, new_shm_dir
 from harness.ranks import kill_ranks_left_running, stop_fork_servers
 
@@ -17,7 +19,18 @@ os.environ.setdefault("FTMEM_FAILURE_TIMEOUT_S", "10")
 
 def pytest_addoption(parser):
     parser.addoption("--full-faults", action="store_true",
-                     help="run the random-kill loops at full length (make test-faults)")
+                     help="run the random-kill loops at full length and every long test of the fault campaign "
+                          "(make test-faults)")
+    parser.addoption("--fault-report", default=None, metavar="PATH",
+                     help="write the fault campaign's lines to PATH as JSON (tests/harness/campaign.py)")
+
+
+def pytest_configure(config):
+    campaign.register(config)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    campaign.summary(terminalreporter, config)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -33,6 +46,7 @@ def pytest_runtest_makereport(item, call):
     """A failed test's report carries the tails of the rank logs under its tmp_path: a test
     cut by pytest-timeout never reaches its own assertion messages, which show them."""
     report = (yield).get_result()
+    campaign.record(item, report)
     tmp = getattr(item, "funcargs", {}).get("tmp_path")
     if report.when == "call" and report.failed and tmp is not None:
         for log in sorted(glob.glob(os.path.join(str(tmp), "**", "rank*.log"), recursive=True))[:16]:
@@ -40,12 +54,14 @@ def pytest_runtest_makereport(item, call):
                 report.sections.append((f"log {os.path.relpath(log, str(tmp))}", f.read()[-2000:]))
 
 
-def pytest_collection_modifyitems(items):
-    """Each test is marked with its tier, the folder it lives in (``-m unit``, ``-m faults``...)."""
+def pytest_collection_modifyitems(config, items):
+    """Each test is marked with its tier, the folder it lives in (``-m unit``, ``-m faults``...);
+    the long tests of the fault campaign are sampled (tests/harness/campaign.py)."""
     root = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         tier = os.path.relpath(str(item.fspath), root).split(os.sep)[0]
         item.add_marker(getattr(pytest.mark, tier))
+    campaign.select(config, items)
 
 
 @pytest.fixture(scope="session", autouse=True)
