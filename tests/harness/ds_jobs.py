@@ -29,12 +29,13 @@ class DSJob:
         self.args = ["--deepspeed-config", os.path.join(CONFIGS, config), "--save-dir", self.save_dir,
                      "--iters", str(ITERS), "--out", self.out, *engine]
 
-    def start(self, *extra, rank_env=None) -> LocalJob:
-        return LocalJob("examples.deepspeed.train_gpt", self.args + list(extra), self.world, self.job, self.out,
+    def start(self, *extra, rank_env=None, launcher=LocalJob) -> LocalJob:
+        """The job's ranks, started by ``launcher`` (a LocalJob, or one of its subclasses)."""
+        return launcher("examples.deepspeed.train_gpt", self.args + list(extra), self.world, self.job, self.out,
                         env=self.env, rank_env=rank_env)
 
-    def run(self, *extra) -> list[int]:
-        return self.start(*extra).wait(TIMEOUT)
+    def run(self, *extra, launcher=LocalJob) -> list[int]:
+        return self.start(*extra, launcher=launcher).wait(TIMEOUT)
 
     def log(self, rank) -> str:
         return LocalJob.read_log(self.out, rank)

@@ -199,18 +199,19 @@ def kill_ranks_left_running() -> None:
     _started.clear()
 
 
-def start_rank(module: str, args: Sequence[str], env: dict, log_path: str):
+def start_rank(module: str, args: Sequence[str], env: dict, log_path: str, wrapper: Sequence[str] = ()):
     """One rank running ``python -m <module> <args>`` with ``env``, its output appended to
-    ``log_path``: forked by the server of its imports, or started cold (:func:`_fork_server`)."""
+    ``log_path``: forked by the server of its imports, or started cold (:func:`_fork_server`),
+    always so under a ``wrapper`` command (``prlimit --nofile=...``, say)."""
     # The log exists once the rank is started, as a cold start's does (its parent opens it):
     # a test may read it before the forked child has opened it for itself.
     open(log_path, "ab").close()
-    server = _fork_server(module, env)
+    server = None if wrapper else _fork_server(module, env)
     if server is not None:
         proc = ForkedRank(server, server.fork(module, args, env, log_path))
     else:
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=log,
+            proc = subprocess.Popen([*wrapper, sys.executable, "-m", module, *args], env=env, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     _started.append(proc)
     return proc
@@ -218,10 +219,13 @@ def start_rank(module: str, args: Sequence[str], env: dict, log_path: str):
 
 class LocalJob(launch.LocalJob):
     """The job of examples/launch.py, its ranks forked by the fork server of their imports
-    (:func:`start_rank`) and ended with the test (:func:`kill_ranks_left_running`)."""
+    (:func:`start_rank`) and ended with the test (:func:`kill_ranks_left_running`); each under
+    the command ``wrapper`` where the class has one."""
+
+    wrapper: Sequence[str] = ()
 
     def start_rank(self, module: str, args: Sequence[str], env: dict, log_path: str):
-        return start_rank(module, args, env, log_path)
+        return start_rank(module, args, env, log_path, self.wrapper)
 
 
 def script_outputs(script: str, args: Sequence[Sequence[str]], timeout: float, env: Optional[dict] = None) -> list:

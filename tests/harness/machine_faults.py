@@ -1,0 +1,65 @@
+"""Faults of the machine under a job, injected for real: a file system mounted for a test (a
+tmpfs of a given size, later read-only) and system calls made slow in running processes
+(``strace``'s delay injection: the kernel's call waits, the process sees a slow disk)."""
+import contextlib
+import os
+import subprocess
+import time
+from typing import Iterator, Sequence
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, size: str) -> Iterator[str]:
+    """A tmpfs of ``size`` (``mount``'s form: ``64m``) mounted at ``path`` (made if missing)."""
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
+    try:
+        yield path
+    finally:
+        # A process that just exited (an SMP) can keep the mount busy for a moment: retry, bounded.
+        for _ in range(50):
+            if subprocess.run(["umount", path], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            subprocess.run(["umount", "-l", path], check=True)
+
+
+def remount(path: str, how: str) -> None:
+    """Remount the file system at ``path`` ``ro`` or ``rw``."""
+    subprocess.run(["mount", "-o", f"remount,{how}", path], check=True)
+
+
+@contextlib.contextmanager
+def slow_calls(pids: Sequence[int], calls: Sequence[str], delay_s: float) -> Iterator[None]:
+    """Every ``calls`` system call of the processes ``pids`` (all their threads, present and
+    future) waits ``delay_s`` before the kernel runs it, until the block ends (strace detaches)."""
+    tracers = [subprocess.Popen(["strace", "-f", "-qq", "-p", str(pid), "-o", "/dev/null", "-e",
+                                 f"trace={','.join(calls)}", "-e",
+                                 f"inject={','.join(calls)}:delay_enter={int(delay_s * 1e6)}"],
+                                stderr=subprocess.PIPE) for pid in pids]
+    try:
+        deadline = time.monotonic() + 30
+        while not all(traced(pid) for pid in pids):  # every thread, before the block goes on
+            dead = [t for t in tracers if t.poll() is not None]
+            assert not dead, dead[0].stderr.read().decode()
+            assert time.monotonic() < deadline, f"strace did not attach to {list(pids)} within 30 s"
+            time.sleep(0.05)
+        yield
+    finally:
+        for tracer in tracers:
+            tracer.terminate()
+            tracer.wait(30)
+
+
+def traced(pid: int) -> bool:
+    """Whether every thread of ``pid`` has a tracer."""
+    tasks = f"/proc/{pid}/task"
+    for task in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{task}/status") as f:
+                if next(line for line in f if line.startswith("TracerPid:")).split()[1] == "0":
+                    return False
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return True
