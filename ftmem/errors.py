@@ -4,7 +4,7 @@ __all__ = [
     "FtmemError", "ConfigError", "ShmBudgetError", "SmpError", "SmpUnresponsive", "SharedMemoryRemoved",
     "NoRecoverableVersion", "NotRecoverableFromMemory", "CorruptShard", "LayoutMismatch", "EcGeometryMismatch",
     "UnsupportedTensor", "JobAlreadyRunning", "UnsafeSharedMemory", "UnadmittedType", "ForeignVersions",
-    "CollectiveNotJoined",
+    "CollectiveNotJoined", "OpenFileLimit",
 ]
 
 
@@ -76,3 +76,7 @@ class ForeignVersions(FtmemError):
 
 class CollectiveNotJoined(FtmemError):
     """A collective (a read of every rank's snapshot) that some ranks did not join in time."""
+
+
+class OpenFileLimit(FtmemError):
+    """The process's open-file limit leaves no room for ftmem's groups and connections."""

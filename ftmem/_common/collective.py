@@ -21,11 +21,11 @@ from typing import Any, Iterator, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftmem._common import testhooks
+from ftmem._common import open_files, testhooks
 from ftmem._common.agreement import Decision
 from ftmem._common.job_store import own_connection
 from ftmem.config import INTERFACE_ENV, seconds_from_env
-from ftmem.errors import CollectiveNotJoined, ConfigError
+from ftmem.errors import CollectiveNotJoined, ConfigError, OpenFileLimit
 
 TIMEOUT_ENV = "FTMEM_COLLECTIVE_TIMEOUT_S"
 TIMEOUT_S = 120.0  # how far apart the ranks may arrive at a collective that some may never join
@@ -186,6 +186,8 @@ def new_group(ranks: Optional[Sequence[int]] = None, *, interface: Optional[str]
                                backend="gloo" if options is None else BOUND_GLOO, pg_options=options,
                                timeout=timedelta(seconds=wait_s))
     except Exception as e:  # torch's store barrier or gloo's connect ran out (DistStoreError, RuntimeError)
+        if open_files.ran_out(e):  # not a rank that did not come
+            raise OpenFileLimit(open_files.ran_out_message("ftmem's process groups could not be made")) from e
         who = _named(arrivals)
         raise CollectiveNotJoined(
             f"ftmem's process groups could not be made: {who} did not come within {wait_s:g} s ({TIMEOUT_ENV} sets "

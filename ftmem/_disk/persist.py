@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from ftmem._common import testhooks
+from ftmem._common import open_files, testhooks
 from ftmem._common.collective import first_problem, new_group
 from ftmem.errors import ConfigError, FtmemError
 from ftmem._disk.durable import Written
@@ -144,6 +144,9 @@ class Flusher:
         self.root, self.interval, self.keep, self.format, self.rank = root, interval, keep, format, rank
         self.fsync = fsync
         self.first_replica = first_replica
+        if world_size > 1:
+            open_files.make_room(open_files.needed([world_size], open_files.FLUSH),
+                                 "the persistent tier's process group")
         self._group = new_group(interface=interface) if world_size > 1 else None
         self._protected = 0
         self._thread: Optional[threading.Thread] = None

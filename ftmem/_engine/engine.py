@@ -34,7 +34,7 @@ from ftmem._state.destinations import RestoreTargets
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
-from ftmem._common import exit_status
+from ftmem._common import exit_status, open_files
 from ftmem._common.agreement import unanimous
 from ftmem._common.collective import Arrivals, collective_timeout_s, gather, new_group
 from ftmem._common.logs import job_info, rank_warning
@@ -141,6 +141,10 @@ class SnapshotEngine:
                     f"is created (call dist.init_process_group first)."
                 )
             interface = self.network_interface
+            sizes = [world_size, len(dp_ranks)] + ([len(self.topology.column_ranks(*self.topology.column_of(rank)))]
+                                                   if parity else [])
+            open_files.make_room(open_files.needed(sizes, open_files.ENGINE),
+                                 "ftmem's process groups and connections")
             if interface is not None:
                 job_info("ftmem's process groups take the network interface %s", interface)
             gloo = new_group(interface=interface)
