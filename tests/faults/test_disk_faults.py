@@ -1,0 +1,129 @@
+"""Faults of the persistent tier's disk, injected for real under DeepSpeed jobs: a file system
+that turns read-only in the middle of a flush (a tmpfs remounted), and a disk whose syncs are
+slow (``strace`` makes the kernel's fsync wait), slower than the saves are apart and than a
+preemption's grace. Every resume is compared with DeepSpeed's default engine."""
+import os
+import re
+import signal
+
+import pytest
+
+from ftmem import restored_from_disk, restored_from_memory
+from ftmem._shm import jobs
+from harness.common import ANY, logged
+from harness.ds_jobs import ITERS, STOP, TIMEOUT, DSJob, reference
+from harness.machine_faults import remount, slow_calls, tmpfs
+from harness.toy import assert_same_training
+
+WORLD = 2
+MIRRORED = {"ec": {"k": 1, "m": 1}}
+
+
+def latest(persist: str) -> str:
+    with open(os.path.join(persist, "latest")) as f:
+        return f.read()
+
+
+@pytest.mark.fault("persistent tier's disk turns read-only", phase="during a flush", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from memory: the failed flushes are named, the script's wait for them "
+                          "raises, the older checkpoint stays the newest on disk")
+def test_a_disk_that_turns_read_only_mid_flush_loses_nothing_and_the_job_resumes_from_memory(
+        shm_dir, tmp_path, fault_clock):
+    """Every version is flushed. The flush of version 3 is held once a file of it is written,
+    on both ranks, and the disk is remounted read-only under it: that flush fails, named, while
+    training goes on (the flushes due meanwhile are skipped), and the script's wait for the
+    flushes at its stop raises the failure; the disk keeps global_step2 whole and named newest.
+    Relaunched once the disk takes writes again, the job resumes from memory, bitwise."""
+    ref = reference("zero1.json", WORLD, str(tmp_path / "reference"))
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    with tmpfs(str(tmp_path / "disk"), "256m") as persist:
+        job = DSJob("zero1.json", WORLD, shm_dir, str(tmp_path / "run"),
+                    ftmem={**MIRRORED, "persist": {"dir": persist, "interval": 1}})
+        hold = {r: {"FTMEM_TEST_HOOK": f"mid_flush:hold:rank={r}:version=3", "FTMEM_TEST_HOOK_DIR": str(hooks)}
+                for r in range(WORLD)}
+        with job.start("--stop-after", str(STOP + 1), rank_env=hold) as run:
+            run.wait_for(lambda: all((hooks / f"paused.rank{r}.v3").exists() for r in range(WORLD)), TIMEOUT,
+                         "the flush of version 3 to be halfway")
+            remount(persist, "ro")
+            fault_clock.injected()
+            for r in range(WORLD):
+                (hooks / f"resume.rank{r}.v3").touch()
+            assert run.wait(TIMEOUT) == [1] * WORLD, run.tails()  # the script's wait_flushed raised
+            fault_clock.detected()
+        for rank in range(WORLD):
+            assert re.search(r"FtmemError: the persistent tier could not write version 3 to "
+                             rf"{re.escape(persist)} \(rank \d: Read-only file system \(EROFS\) writing "
+                             rf"{re.escape(persist)}/\.global_step3\.tmp/", job.log(rank)), job.log(rank)[-3000:]
+        assert re.search(r"version 3 was not flushed \(rank \d: Read-only file system \(EROFS\) writing "
+                         rf"{re.escape(persist)}/\S+\); global_step2 stays the newest on disk", job.log(0)), \
+            job.log(0)[-4000:]
+        assert latest(persist) == "global_step2" and "global_step3" not in os.listdir(persist)
+        remount(persist, "rw")
+        assert job.run("--load") == [0] * WORLD, job.log(0)[-4000:]
+        fault_clock.stepped()
+    newest = STOP + 2  # the version saved after the last step trained
+    for rank in range(WORLD):
+        assert logged(restored_from_memory(newest, rank, f"tag global_step{newest}"), job.log(rank)), job.log(rank)
+    assert_same_training(job.out, ref, WORLD, ITERS)
+
+
+SYNC_S = 3  # each fsync of the slow disk
+
+
+@pytest.mark.fault("persistent tier's disk very slow", phase="during a flush", framework="DeepSpeed ZeRO-3",
+                   expect="goes on: saves never wait for the disk, a flush due while one runs is skipped and "
+                          "says so, and training is bitwise as without ftmem")
+def test_a_disk_slower_than_the_saves_skips_flushes_and_never_holds_the_training(shm_dir, tmp_path):
+    """Every fsync of the ranks waits SYNC_S (strace): a flush takes far longer than a step.
+    Flushes never queue: one due while another runs is skipped, and the log says so; the job
+    trains to its end bitwise as DeepSpeed's default engine, and its last version reaches the
+    disk at its end."""
+    ref = reference("zero3.json", WORLD, str(tmp_path / "reference"))
+    persist = str(tmp_path / "persist")
+    job = DSJob("zero3.json", WORLD, shm_dir, str(tmp_path / "run"),
+                ftmem={**MIRRORED, "persist": {"dir": persist, "interval": 1}})
+    with job.start() as run:
+        with slow_calls([p.pid for p in run.procs], ["fsync", "fdatasync"], SYNC_S):
+            assert run.wait(TIMEOUT) == [0] * WORLD, run.tails()
+    assert re.search(r"version \d+ not flushed: the previous flush is still running", job.log(0)), job.log(0)[-4000:]
+    assert latest(persist) == f"global_step{ITERS}"
+    assert_same_training(job.out, ref, WORLD, ITERS)
+
+
+GRACE_S = 4
+
+
+@pytest.mark.fault("persistent tier's disk very slow", phase="during a flush", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from disk: a preemption's flush that outlasts the grace ends with it, "
+                          "and the older checkpoint stays the newest")
+def test_a_preemption_flush_slower_than_the_grace_ends_with_it_and_the_older_checkpoint_serves(
+        shm_dir, tmp_path, fault_clock):
+    """A flush every 3rd version; the job is preempted (SIGTERM to every rank) after step
+    STOP while every fsync waits longer than the grace: the ranks end by SIGTERM within the
+    grace and a few seconds, the disk still names the older checkpoint, and with every node's
+    memory gone (as with the machines) the relaunch resumes from it, bitwise."""
+    ref = reference("zero1.json", WORLD, str(tmp_path / "reference"))
+    persist = str(tmp_path / "persist")
+    job = DSJob("zero1.json", WORLD, shm_dir, str(tmp_path / "run"),
+                ftmem={**MIRRORED, "persist": {"dir": persist, "interval": 3}, "preemption": {"grace_s": GRACE_S}})
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(WORLD)), TIMEOUT, f"step {STOP}")
+        run.wait_for(lambda: os.path.exists(os.path.join(persist, "latest")) and latest(persist) == "global_step3",
+                     TIMEOUT, "the flush of version 3")
+        with slow_calls([p.pid for p in run.procs], ["fsync", "fdatasync"], 3 * GRACE_S):
+            fault_clock.injected()
+            for proc in run.procs:
+                proc.send_signal(signal.SIGTERM)
+            assert run.wait(GRACE_S + 20) == [-signal.SIGTERM] * WORLD, run.tails()
+            fault_clock.detected()
+    assert any(f"the {GRACE_S} s of grace (\"ftmem.preemption.grace_s\") ended before the flush did" in job.log(r)
+               for r in range(WORLD)), job.log(0)[-3000:]
+    assert latest(persist) == "global_step3"
+    for node in range(WORLD):
+        jobs.lose_node(shm_dir, job.job, node)
+    assert job.run("--load") == [0] * WORLD, job.log(0)[-4000:]
+    fault_clock.stepped()
+    for rank in range(WORLD):
+        assert logged(restored_from_disk(3, f"{persist}/global_step3", rank, ANY), job.log(rank)), job.log(rank)
+    assert_same_training(job.out, ref, WORLD, ITERS)
