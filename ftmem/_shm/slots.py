@@ -31,6 +31,7 @@ invisible and the other slot's version is untouched.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import mmap
@@ -42,7 +43,8 @@ from typing import Any, Callable, Optional
 
 from ftmem.config import DATA_SLOTS
 from ftmem._state.checksum import checked, with_checksum
-from ftmem.errors import CorruptShard
+from ftmem.errors import CorruptShard, ShmBudgetError
+from ftmem._common.units import fmt_bytes
 from ftmem._shm.private import open_private, read_private, unlink_if_present, write_atomically
 
 if typing.TYPE_CHECKING:
@@ -212,7 +214,7 @@ class RankStore:
 
     def write_protected(self, version: int) -> None:
         """Record that the whole job has protected ``version`` (for ``ftmem status``)."""
-        write_atomically(self.protected_path(), str(version).encode(), private=True)
+        self._write_marker(self.protected_path(), str(version).encode(), f"the mark of protected version {version}")
 
     def read_protected(self) -> Optional[int]:
         """The newest version known protected job-wide, if this rank still holds it."""
@@ -223,7 +225,8 @@ class RankStore:
         return version if version in self.committed() and version in self.parity_held() else None
 
     def write_parity(self, record: ParityRecord) -> None:
-        write_atomically(self.parity_marker_path(record.version, record.slot), _marker(record), private=True)
+        self._write_marker(self.parity_marker_path(record.version, record.slot), _marker(record),
+                           f"version {record.version}'s parity marker")
 
     def read_parity(self, version: int) -> ParityRecord:
         """A version's parity record; CorruptShard if there is none, or its marker is damaged."""
@@ -234,7 +237,26 @@ class RankStore:
                             f"rank {self.rank} version {version}: parity marker")
 
     def write_commit(self, record: CommitRecord) -> None:
-        write_atomically(self.commit_path(record.version, record.slot), _marker(record), private=True)
+        self._write_marker(self.commit_path(record.version, record.slot), _marker(record),
+                           f"version {record.version}'s commit marker")
+
+    def _write_marker(self, path: str, data: bytes, what: str) -> None:
+        """Write a marker, a new small file each version: the slots' pages are reserved when they
+        grow, the markers' are not, so a file system that something else filled since refuses
+        them (ShmBudgetError, saying so; the versions already held are left as they are)."""
+        try:
+            write_atomically(path, data, private=True)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            st = os.statvfs(self.node_dir)
+            raise ShmBudgetError(
+                f"shared memory full: rank {self.rank} could not write {what} ({fmt_bytes(len(data))}) into "
+                f"{self.node_dir}: its file system has {fmt_bytes(st.f_bavail * st.f_frsize)} free of "
+                f"{fmt_bytes(st.f_blocks * st.f_frsize)}, and ftmem's slots were reserved when they grew, so "
+                f"something else filled it (df -h, and the largest files there). Free that space, or enlarge the "
+                f"file system, and restart the job: the versions this node held are kept, and the restart "
+                f"resumes from the newest the whole job holds.") from e
 
     def read_commit(self, version: int) -> CommitRecord:
         """A committed version's record; CorruptShard if it is not committed, or its marker is damaged."""
