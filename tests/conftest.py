@@ -19,14 +19,17 @@ os.environ.setdefault("FTMEM_FAILURE_TIMEOUT_S", "10")
 
 def pytest_addoption(parser):
     parser.addoption("--full-faults", action="store_true",
-                     help="run the random-kill loops at full length and every long test of the fault campaign "
-                          "(make test-faults)")
+                     help="run the random-kill loops at full length (make test-faults)")
     parser.addoption("--fault-report", default=None, metavar="PATH",
                      help="write the fault campaign's lines to PATH as JSON (tests/harness/campaign.py)")
 
 
 def pytest_configure(config):
     campaign.register(config)
+
+
+def pytest_collection_finish(session):
+    campaign.collected(session)
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -54,14 +57,12 @@ def pytest_runtest_makereport(item, call):
                 report.sections.append((f"log {os.path.relpath(log, str(tmp))}", f.read()[-2000:]))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Each test is marked with its tier, the folder it lives in (``-m unit``, ``-m faults``...);
-    the long tests of the fault campaign are sampled (tests/harness/campaign.py)."""
+def pytest_collection_modifyitems(items):
+    """Each test is marked with its tier, the folder it lives in (``-m unit``, ``-m faults``...)."""
     root = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         tier = os.path.relpath(str(item.fspath), root).split(os.sep)[0]
         item.add_marker(getattr(pytest.mark, tier))
-    campaign.select(config, items)
 
 
 @pytest.fixture(scope="session", autouse=True)

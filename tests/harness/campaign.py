@@ -9,12 +9,12 @@ A test joins the campaign with a marker (on the test, or on one ``pytest.param``
 
 ``expect`` starts with one of :data:`PROMISES`. A test that takes ``fault_clock`` marks the
 moments it saw (:class:`FaultClock`), and its line carries the seconds from the injection to
-the detection and to the first step after it. ``long=True`` keeps a test out of ``make test``
-except for a seeded sample of :data:`SAMPLE` such tests (``--full-faults`` runs them all).
+the detection and to the first step after it.
 
-``make test-faults`` runs every marked test (``-m fault``) with ``--fault-report PATH``, which
-writes the lines as JSON; ``python -m tests.harness.campaign PATH`` puts them into the table of
-docs/design/fault-matrix.md.
+Every run prints the lines; ``--fault-report PATH`` writes them as JSON too, and
+``python -m tests.harness.campaign PATH`` puts them into the table of
+docs/design/fault-matrix.md (``make test-faults`` does both, with the random-kill loops at
+full length; ``make test`` runs them in their short, seeded form).
 """
 from __future__ import annotations
 
@@ -22,11 +22,10 @@ import datetime
 import json
 import os
 import platform
-import random
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import pytest
@@ -34,14 +33,13 @@ import pytest
 # What ftmem promises for a fault: the first words of every marker's ``expect``.
 PROMISES = ("resumes bitwise from memory", "resumes bitwise from disk", "refuses with a reason",
             "ends every rank within", "goes on")
-SAMPLE, SEED = 3, 1414  # the long tests `make test` runs: a seeded sample
 MATRIX = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "design", "fault-matrix.md")
 BEGIN, END = "<!-- campaign: begin -->", "<!-- campaign: end -->"
 
 
 def register(config) -> None:
-    config.addinivalue_line("markers", "fault(kind, phase, framework, expect, long=False): a test of the fault "
-                                       "campaign (tests/harness/campaign.py)")
+    config.addinivalue_line("markers", "fault(kind, phase, framework, expect): a test of the fault campaign "
+                                       "(tests/harness/campaign.py)")
 
 
 class FaultClock:
@@ -76,7 +74,6 @@ class Line:
     observed: str = "not run"
     detected_s: Optional[float] = None
     stepped_s: Optional[float] = None
-    ids: list = field(default_factory=list)
 
     def text(self) -> str:
         seconds = lambda s: "-" if s is None else f"{s:g} s"  # noqa: E731
@@ -98,18 +95,14 @@ def line_of(item, mark: pytest.Mark) -> Line:
                 f"{path}::{item.originalname if hasattr(item, 'originalname') else item.name}")
 
 
-def select(config, items: list) -> None:
-    """Without ``--full-faults``, the long tests of the campaign but a seeded sample of them are
-    deselected (reported in the summary)."""
-    if config.getoption("--full-faults"):
-        return
-    long = [item for item in items if (marker_of(item) is not None and marker_of(item).kwargs.get("long"))]
-    kept = set(random.Random(SEED).sample(long, min(SAMPLE, len(long))))
-    dropped = [item for item in long if item not in kept]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if item not in dropped]
-        config._fault_sample = (len(kept), len(long))
+def collected(session) -> None:
+    """A line, not run yet, for each marked test the session will run: a test that never
+    reports (a crash of the run, ``--collect-only``) still has its line."""
+    lines = session.config.__dict__.setdefault("_fault_lines", {})
+    for item in session.items:
+        mark = marker_of(item)
+        if mark is not None:
+            lines.setdefault(item.nodeid, line_of(item, mark))
 
 
 @pytest.fixture
@@ -122,18 +115,14 @@ def record(item, report) -> None:
     mark = marker_of(item)
     if mark is None:
         return
-    lines = item.config.__dict__.setdefault("_fault_lines", {})
+    line = item.config.__dict__.setdefault("_fault_lines", {}).setdefault(item.nodeid, line_of(item, mark))
     if report.when == "setup" and report.skipped:
-        line = lines.setdefault(item.nodeid, line_of(item, mark))
         line.observed = "not run: " + str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else "skipped")
     elif report.when == "call" or (report.when == "setup" and report.failed):
-        line = lines.setdefault(item.nodeid, line_of(item, mark))
         line.observed = "as expected" if report.passed else "NOT as expected: " + first_line(report)
         clock = getattr(item, "funcargs", {}).get("fault_clock")
         if clock is not None:
             line.detected_s, line.stepped_s = clock.since_injection("detected"), clock.since_injection("stepped")
-        if hasattr(item, "callspec"):
-            line.ids = [item.callspec.id]
 
 
 def first_line(report) -> str:
@@ -153,11 +142,10 @@ def summary(terminalreporter, config) -> None:
     for line in lines:
         terminalreporter.line(line.text())
     passed = sum(line.observed == "as expected" for line in lines)
+    not_run = sum(line.observed.startswith("not run") for line in lines)
     kinds = len({line.kind for line in lines})
-    sampled = config.__dict__.get("_fault_sample")
-    terminalreporter.line(f"{len(lines)} faults injected, {kinds} kinds, {passed} as expected"
-                          + (f"; {sampled[0]} of {sampled[1]} long ones sampled (seed {SEED}: make test-faults "
-                             f"runs them all)" if sampled else ""))
+    terminalreporter.line(f"{len(lines)} faults of {kinds} kinds: {passed} as expected, {not_run} not run, "
+                          f"{len(lines) - passed - not_run} NOT as expected")
     path = config.getoption("--fault-report")
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -177,21 +165,29 @@ HEADER = ("| fault | phase | framework | ftmem promises | test | last run |\n"
 
 
 def table(report: dict) -> str:
-    """The campaign's table: a row per fault, phase and framework, with the last run's result."""
-    rows = {}
+    """The campaign's table: a row per fault, phase, framework and promise, with the last run's
+    result."""
+    rows: dict[tuple, list[dict]] = {}
     for line in report["lines"]:
-        row = rows.setdefault((line["kind"], line["phase"], line["framework"]), {**line, "tests": [], "seen": []})
-        if line["test"] not in row["tests"]:
-            row["tests"].append(line["test"])
-        seconds = [f"{name} {line[key]:g} s" for name, key in (("detected", "detected_s"), ("stepped", "stepped_s"))
-                   if line[key] is not None]
-        row["seen"].append(line["observed"] + (f" ({', '.join(seconds)})" if seconds else ""))
+        rows.setdefault((line["kind"], line["phase"], line["framework"], line["expect"]), []).append(line)
     out = [f"Last run: {report['date']}, {report['machine']}.\n\n", HEADER]
-    for (kind, phase, framework), row in sorted(rows.items()):
-        seen = "; ".join(sorted(set(row["seen"])))
-        out.append(f"| {kind} | {phase} | {framework} | {row['expect']} | "
-                   f"{', '.join(f'`{t}`' for t in row['tests'])} | {seen} |\n")
+    for (kind, phase, framework, expect), lines in sorted(rows.items()):
+        tests = ", ".join(f"`{t}`" for t in dict.fromkeys(line["test"] for line in lines))
+        out.append(f"| {kind} | {phase} | {framework} | {expect} | {tests} | {result(lines)} |\n")
     return "".join(out)
+
+
+def result(lines: list[dict]) -> str:
+    """One row's outcome: how many of its runs were as expected, the seconds they took to
+    detect the fault and to step again (the range), and what any other run saw."""
+    passed = sum(line["observed"] == "as expected" for line in lines)
+    said = [f"{passed} of {len(lines)} as expected"]
+    for name, column in (("detected after", "detected_s"), ("first step after", "stepped_s")):
+        seconds = sorted(line[column] for line in lines if line[column] is not None)
+        if seconds:
+            said.append(f"{name} {seconds[0]:g}" + (f"-{seconds[-1]:g}" if seconds[-1] != seconds[0] else "") + " s")
+    said += sorted({line["observed"] for line in lines} - {"as expected"})
+    return "; ".join(said)
 
 
 def table_rows(markdown: str) -> list[dict]:
