@@ -123,6 +123,8 @@ def refuses(job: TrainJob, lacks: str) -> None:
 
 
 # -- between saves ------------------------------------------------------------------------------
+@pytest.mark.fault("rank SIGKILLed", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5, its node's SMP and memory outliving the rank")
 def test_one_rank_killed_between_saves_costs_no_version(shm_dir, tmp_path, reference):
     """Rank 1 dies while every rank sits between saves (version 5 protected); its node's
     SMP and memory outlive it. The launcher then tears the job down and restarts it."""
@@ -138,10 +140,19 @@ def test_one_rank_killed_between_saves_costs_no_version(shm_dir, tmp_path, refer
 
 # -- mid-copy -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("point, smps_too, expect", [
-    ("mid_copy", False, 5),      # v6 torn on every rank: invisible, v5 whole
-    ("mid_copy", True, 5),       # ... and every node's SMP dies with its ranks; memory stays
-    ("after_commit", False, 6),  # v6 committed everywhere, no parity yet: every rank holds it whole
-], ids=["mid_copy", "mid_copy-and-smps", "after_commit"])
+    # v6 torn on every rank: invisible, v5 whole
+    pytest.param("mid_copy", False, 5, id="mid_copy", marks=pytest.mark.fault(
+        "every rank SIGKILLed", phase="during the copy", framework="engine (toy trainer)",
+        expect="resumes bitwise from memory: version 5, the torn version 6 invisible")),
+    # ... and every node's SMP dies with its ranks; memory stays
+    pytest.param("mid_copy", True, 5, id="mid_copy-and-smps", marks=pytest.mark.fault(
+        "SMP SIGKILLed", phase="during the copy", framework="engine (toy trainer)",
+        expect="resumes bitwise from memory: version 5 through new SMPs, every rank killed with its SMP")),
+    # v6 committed everywhere, no parity yet: every rank holds it whole
+    pytest.param("after_commit", False, 6, id="after_commit", marks=pytest.mark.fault(
+        "every rank SIGKILLed", phase="after the commit, before parity", framework="engine (toy trainer)",
+        expect="resumes bitwise from memory: version 6, committed by every rank, no parity yet")),
+])
 def test_all_ranks_killed_at(point, smps_too, expect, shm_dir, tmp_path, hooks, reference):
     job = new_job(shm_dir, tmp_path)
     with job.start(rank_env=hook(point, "pause", 6, hooks)) as run:
@@ -154,6 +165,9 @@ def test_all_ranks_killed_at(point, smps_too, expect, shm_dir, tmp_path, hooks, 
     job.restart_and_check(reference, expect_version=expect)  # with new SMPs, where they were killed
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="during the copy", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5, node 1 rebuilt from parity; the survivors stop by "
+                          "themselves")
 def test_a_node_lost_mid_copy(shm_dir, tmp_path, hooks, reference):
     """Node 1 is lost while its rank copies version 6 and the others, which committed 6,
     wait for its pieces: they stop by themselves; 6 has no parity, so the restart rebuilds
@@ -169,6 +183,8 @@ def test_a_node_lost_mid_copy(shm_dir, tmp_path, hooks, reference):
     job.restart_and_check(reference, expect_version=5, rebuilt_ranks={1})
 
 
+@pytest.mark.fault("SMP SIGKILLed", phase="during the copy", framework="engine (toy trainer)",
+                   expect="goes on: the job ends bitwise, and its end frees the memory through a new SMP")
 def test_an_smp_killed_mid_copy_changes_nothing(shm_dir, tmp_path, hooks, reference):
     """Node 1's SMP dies while its rank is halfway through copying version 6: the copy,
     the commit and the protection never need the SMP; the job finishes bitwise, and its
@@ -185,6 +201,8 @@ def test_an_smp_killed_mid_copy_changes_nothing(shm_dir, tmp_path, hooks, refere
     assert jobs.status(shm_dir)["jobs"] == []  # freed by the new SMP before the ranks exited
 
 
+@pytest.mark.fault("SMP SIGKILLed", phase="at the job's end", framework="engine (toy trainer)",
+                   expect="goes on: the job's end starts a new SMP, which frees the node's memory before close returns")
 def test_an_smp_killed_before_the_end_of_the_job_still_frees_its_memory(shm_dir):
     """The end of a job whose SMP was killed (no request since): the rank's "finished"
     starts a new SMP, and close() returns only once that one has freed the node. It used
@@ -201,6 +219,9 @@ def test_an_smp_killed_before_the_end_of_the_job_still_frees_its_memory(shm_dir)
 
 
 # -- mid-exchange -------------------------------------------------------------------------------
+@pytest.mark.fault("rank SIGKILLed", phase="during protection", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 6, which every rank had committed; its column peers "
+                          "stop by themselves")
 def test_one_rank_killed_mid_exchange(shm_dir, tmp_path, hooks, reference):
     """Rank 1 dies right after the first all_to_all of version 6's pieces: its column
     peers stop by themselves. Every rank had committed 6 before the exchange, so the
@@ -214,7 +235,18 @@ def test_one_rank_killed_mid_exchange(shm_dir, tmp_path, hooks, reference):
     job.restart_and_check(reference, expect_version=6)
 
 
-@pytest.mark.parametrize("lost", [0, 1, 2], ids=["0-lost", "1-lost", "m+1-lost"])
+@pytest.mark.parametrize("lost", [
+    pytest.param(0, id="0-lost", marks=pytest.mark.fault(
+        "every rank SIGKILLed", phase="during protection", framework="engine (toy trainer)",
+        expect="resumes bitwise from memory: version 6, committed by every rank before its exchange")),
+    pytest.param(1, id="1-lost", marks=pytest.mark.fault(
+        "node lost (its ranks, SMP and memory)", phase="during protection", framework="engine (toy trainer)",
+        expect="resumes bitwise from memory: version 5, rebuilt on the lost node (version 6 has no parity)")),
+    pytest.param(2, id="m+1-lost", marks=pytest.mark.fault(
+        "more nodes lost than parity", phase="during protection", framework="engine (toy trainer)",
+        expect="refuses with a reason: every rank exits 3 naming the group and the nodes it lacks; nothing "
+               "deleted")),
+])
 def test_all_ranks_killed_mid_exchange_then_nodes_lost(lost, shm_dir, tmp_path, hooks, reference):
     """Every rank dies mid-exchange of version 6 (committed, no parity); then ``lost``
     nodes are lost. 0: 6 resumes as every rank holds it; 1: 6 cannot be rebuilt (no
@@ -237,6 +269,8 @@ def test_all_ranks_killed_mid_exchange_then_nodes_lost(lost, shm_dir, tmp_path, 
 
 
 # -- mid-restore --------------------------------------------------------------------------------
+@pytest.mark.fault("every rank SIGKILLed", phase="during a restore", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5 at the next restart")
 def test_all_ranks_killed_mid_restore(shm_dir, tmp_path, hooks, reference):
     job = new_job(shm_dir, tmp_path)
     job.run_until_stopped(after=5)
@@ -247,6 +281,8 @@ def test_all_ranks_killed_mid_restore(shm_dir, tmp_path, hooks, reference):
     job.restart_and_check(reference, expect_version=5)
 
 
+@pytest.mark.fault("rank SIGKILLed", phase="during a restore", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5; the others stop by themselves mid-gather")
 def test_one_rank_killed_mid_restore(shm_dir, tmp_path, hooks, reference):
     """Rank 1 dies once the job agreed on version 5; the others, gathering the DP-sharded
     state, stop by themselves; the next restart restores 5."""
@@ -260,7 +296,16 @@ def test_one_rank_killed_mid_restore(shm_dir, tmp_path, hooks, reference):
     job.restart_and_check(reference, expect_version=5)
 
 
-@pytest.mark.parametrize("action", ["kill", "pause"])
+@pytest.mark.parametrize("action", [
+    pytest.param("kill", id="kill", marks=pytest.mark.fault(
+        "rank SIGKILLed", phase="startup", framework="engine (toy trainer)",
+        expect="ends every rank within FTMEM_COLLECTIVE_TIMEOUT_S, naming the rank that did not come; the restart "
+               "resumes version 5 bitwise")),
+    pytest.param("pause", id="pause", marks=pytest.mark.fault(
+        "rank stopped (SIGSTOP)", phase="startup", framework="engine (toy trainer)",
+        expect="ends every rank within FTMEM_COLLECTIVE_TIMEOUT_S, naming the hung rank that did not come; the "
+               "restart resumes version 5 bitwise")),
+])
 def test_a_rank_lost_while_ftmem_makes_its_groups_stops_the_others_in_bounded_time(action, shm_dir, tmp_path, hooks,
                                                                                    reference):
     """A relaunch whose rank 1 dies (or hangs) once the engine has made its first process
@@ -282,6 +327,9 @@ def test_a_rank_lost_while_ftmem_makes_its_groups_stops_the_others_in_bounded_ti
     job.restart_and_check(reference, expect_version=5)
 
 
+@pytest.mark.fault("rank SIGKILLed", phase="during a rebuild", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5, rank 1 rebuilt again; the survivors stop, their "
+                          "parity intact")
 def test_the_rank_being_rebuilt_killed_mid_rebuild(shm_dir, tmp_path, hooks, reference):
     """Node 1 lost; the restart decodes rank 1's version 5 from parity, and rank 1 dies
     before writing it. The survivors stop by themselves, their parity intact, and the next
@@ -297,6 +345,9 @@ def test_the_rank_being_rebuilt_killed_mid_rebuild(shm_dir, tmp_path, hooks, ref
     job.restart_and_check(reference, expect_version=5, rebuilt_ranks={1})
 
 
+@pytest.mark.fault("shared memory damaged", phase="during a rebuild", framework="engine (toy trainer)",
+                   expect="ends every rank within the test's bound, each naming rank 1's rebuilt data it could not "
+                          "store; the next restart rebuilds version 5")
 def test_a_rebuilt_rank_that_cannot_store_its_data_stops_every_rank_with_the_reason(shm_dir, tmp_path, hooks,
                                                                                      reference):
     """Node 1 lost; the restart decodes rank 1's version 5, and node 1's memory goes again
@@ -318,6 +369,8 @@ def test_a_rebuilt_rank_that_cannot_store_its_data_stops_every_rank_with_the_rea
 
 
 # -- mid-flush ----------------------------------------------------------------------------------
+@pytest.mark.fault("every rank SIGKILLed", phase="during a flush", framework="adapter runtime",
+                   expect="resumes bitwise from memory: version 2, the disk still naming version 1")
 def test_all_ranks_killed_mid_flush(shm_dir, tmp_path, hooks):
     """tests/harness/lifecycle_job.py (2 ranks, k=1, m=1, every version flushed): every rank dies
     once one file of version 2's flush is written. The disk still names version 1; memory
@@ -341,6 +394,9 @@ def test_all_ranks_killed_mid_flush(shm_dir, tmp_path, hooks):
 
 
 @pytest.mark.parametrize("at", ["manifest", "retire"])
+@pytest.mark.fault("rank SIGKILLed", phase="during a flush", framework="adapter runtime",
+                   expect="resumes bitwise from disk: the manifest's newest entry is on disk, never a retired "
+                          "checkpoint")
 def test_a_kill_while_publishing_leaves_the_newest_recorded_checkpoint_on_disk(at, tmp_path):
     """keep=1: rank 0 publishes version 4 and retires version 2, and is SIGKILLed at the
     manifest's write or at the retirement. A restart that memory cannot serve loads the

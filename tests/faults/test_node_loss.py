@@ -23,6 +23,8 @@ def references(tmp_path_factory):
     return get
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5, node 1 rebuilt from parity (k=2, m=1)")
 def test_k2_m1_loses_one_node_of_three(shm_dir, tmp_path, references):
     job = TrainJob(shm_dir, tmp_path, world=3, ec=(2, 1))
     job.run_until_stopped(after=5)
@@ -31,6 +33,8 @@ def test_k2_m1_loses_one_node_of_three(shm_dir, tmp_path, references):
     job.restart_and_check(references(3), expect_version=5, rebuilt_ranks={1})
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 4, nodes 0 and 2 rebuilt from parity (k=2, m=2)")
 def test_k2_m2_loses_two_nodes_of_four(shm_dir, tmp_path, references):
     job = TrainJob(shm_dir, tmp_path, world=4, ec=(2, 2))
     job.run_until_stopped(after=4)
@@ -39,6 +43,8 @@ def test_k2_m2_loses_two_nodes_of_four(shm_dir, tmp_path, references):
     job.restart_and_check(references(4), expect_version=4, rebuilt_ranks={0, 2})
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 3, both ranks of node 2 rebuilt from parity")
 def test_two_ranks_per_node_lose_a_node(shm_dir, tmp_path, references):
     job = TrainJob(shm_dir, tmp_path, world=6, ranks_per_node=2, ec=(2, 1))
     job.run_until_stopped(after=3)
@@ -46,6 +52,8 @@ def test_two_ranks_per_node_lose_a_node(shm_dir, tmp_path, references):
     job.restart_and_check(references(6), expect_version=3, rebuilt_ranks={4, 5})
 
 
+@pytest.mark.fault("more nodes lost than parity", phase="between saves", framework="engine (toy trainer)",
+                   expect="refuses with a reason: every rank exits 3 naming the EC group and the nodes it lacks")
 def test_more_losses_than_parity_is_not_recoverable_and_says_where(shm_dir, tmp_path):
     job = TrainJob(shm_dir, tmp_path, world=3, ec=(2, 1))
     job.run_until_stopped(after=5)
@@ -59,6 +67,8 @@ def test_more_losses_than_parity_is_not_recoverable_and_says_where(shm_dir, tmp_
     assert "Fall back to a disk checkpoint" in log
 
 
+@pytest.mark.fault("shared memory damaged", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5, the damaged data shard rebuilt from parity")
 def test_a_corrupted_data_shard_is_rebuilt_from_parity(shm_dir, tmp_path, references):
     job = TrainJob(shm_dir, tmp_path, world=3, ec=(2, 1))
     job.run_until_stopped(after=5)
@@ -68,6 +78,9 @@ def test_a_corrupted_data_shard_is_rebuilt_from_parity(shm_dir, tmp_path, refere
     assert "rank 0 version 5: data in" in job.log(0) and "does not match its checksum" in job.log(0)
 
 
+@pytest.mark.fault("shared memory damaged", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 4, node 1 lost and rebuilt around a damaged parity "
+                          "piece")
 def test_a_corrupted_parity_shard_is_routed_around(shm_dir, tmp_path, references):
     """k=2, m=2: node 1 is lost and a parity piece on node 3 is corrupt; the stripes
     that need rebuilding still have enough intact pieces elsewhere."""
@@ -80,6 +93,8 @@ def test_a_corrupted_parity_shard_is_routed_around(shm_dir, tmp_path, references
     assert "parity piece 0" in job.log(3) and "does not match its checksum" in job.log(3)
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5, node 1 rebuilt from parity, DP-sharded or not")
 def test_dp_sharding_keeps_a_slice_per_replica_and_off_restores_the_same(shm_dir, tmp_path, references):
     sharded = TrainJob(shm_dir, tmp_path / "on", world=3, ec=(2, 1))
     sharded.run_until_stopped(after=5)
@@ -126,6 +141,9 @@ dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("nodes,k,m,lost", [(3, 2, 1, [1]), (4, 2, 2, [0, 3])], ids=["xor", "reed-solomon"])
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: the lost nodes' bytes rebuilt exactly from parity written in "
+                          "rounds")
 def test_a_version_protected_in_many_rounds_rebuilds_bitwise(shm_dir, tmp_path, nodes, k, m, lost):
     """Protection moves its pieces in rounds, the next round's under way while one encodes:
     lost nodes rebuilt from parity written that way get their bytes back exactly."""

@@ -489,7 +489,16 @@ def check_covered(loop: KillLoop, plan: Sequence[tuple[str, str]]) -> None:
 
 
 @pytest.mark.timeout(2400)  # each pass has its own bounded waits (PASS_TIMEOUT); this is the whole loop
-@pytest.mark.parametrize("persist", [False, True], ids=["memory", "persist"])
+@pytest.mark.parametrize("persist", [
+    pytest.param(False, id="memory", marks=pytest.mark.fault(
+        "random SIGKILLs", phase="at random moments", framework="DeepSpeed ZeRO-1",
+        expect="resumes bitwise from memory: every restart from what the job before left (rebuilt from parity "
+               "after a node loss), none hangs")),
+    pytest.param(True, id="persist", marks=pytest.mark.fault(
+        "random SIGKILLs", phase="at random moments", framework="DeepSpeed ZeRO-1",
+        expect="resumes bitwise from disk where memory cannot serve (two nodes lost), else from memory; none "
+               "hangs")),
+])
 def test_deepspeed_random_kills(persist, shm_dir, tmp_path, monkeypatch, request):
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")  # a hung rank's stacks, see hung()
     full = request.config.getoption("--full-faults")
@@ -502,6 +511,9 @@ def test_deepspeed_random_kills(persist, shm_dir, tmp_path, monkeypatch, request
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.fault("random SIGKILLs", phase="at random moments", framework="Megatron (megatron-core)",
+                   expect="resumes bitwise from memory: every restart from what the job before left (rebuilt from "
+                          "parity after a node loss), none hangs")
 def test_megatron_random_kills(shm_dir, tmp_path, monkeypatch, request):
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
     full = request.config.getoption("--full-faults")

@@ -32,14 +32,30 @@ from harness.ds_jobs import (CONFIGS, ENV, ITERS, STOCK_ENV, STOP, TIMEOUT, DSJo
 from harness.toy import assert_same_training
 from examples.engine.demo import read_losses
 
+
+def node_lost(framework: str, detail: str):
+    """The fault campaign's marker of one configuration of the test below."""
+    return pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework=framework,
+                             expect=f"resumes bitwise from memory: version {STOP + 1}, {detail}")
+
+
 @pytest.mark.parametrize("config, world, lost_node, ftmem", [
-    ("zero0.json", 3, 2, None),  # no ZeRO: the optimizer state is replicated too, and DP-sharded
-    ("zero2.json", 3, 2, None),
-    ("zero3.json", 3, 0, None),
-    ("zero1-bf16.json", 3, 1, None),  # bf16: DeepSpeed's BF16_Optimizer wrapper
+    # no ZeRO: the optimizer state is replicated too, and DP-sharded
+    pytest.param("zero0.json", 3, 2, None, id="zero0.json-3-2-None",
+                 marks=node_lost("DeepSpeed ZeRO-0", "node 2 rebuilt from parity")),
+    pytest.param("zero2.json", 3, 2, None, id="zero2.json-3-2-None",
+                 marks=node_lost("DeepSpeed ZeRO-2", "node 2 rebuilt from parity")),
+    pytest.param("zero3.json", 3, 0, None, id="zero3.json-3-0-None",
+                 marks=node_lost("DeepSpeed ZeRO-3", "node 0 rebuilt from parity")),
+    # bf16: DeepSpeed's BF16_Optimizer wrapper
+    pytest.param("zero1-bf16.json", 3, 1, None, id="zero1-bf16.json-3-1-None",
+                 marks=node_lost("DeepSpeed ZeRO-1", "bf16, node 1 rebuilt from parity")),
     # 2 stages x 3 DP replicas, 2 ranks on each of 3 virtual nodes, k=2, m=1
-    ("pipeline.json", 6, 1, {"ranks_per_node": 2, "ec": {"k": 2, "m": 1}}),
-    ("model-parallel.json", 2, 1, None),  # a model axis of 2 in DeepSpeed's mpu grid, mirrored
+    pytest.param("pipeline.json", 6, 1, {"ranks_per_node": 2, "ec": {"k": 2, "m": 1}}, id="pipeline.json-6-1-ftmem4",
+                 marks=node_lost("DeepSpeed pipeline", "both ranks of node 1 rebuilt from parity")),
+    # a model axis of 2 in DeepSpeed's mpu grid, mirrored
+    pytest.param("model-parallel.json", 2, 1, None, id="model-parallel.json-2-1-None",
+                 marks=node_lost("DeepSpeed pipeline", "a model axis of 2, node 1 rebuilt from its mirror")),
 ])
 def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, shm_dir, tmp_path):
     ref = reference(config, world, str(tmp_path / "reference"))
@@ -68,8 +84,21 @@ def test_resume_after_losing_a_node_is_bitwise(config, world, lost_node, ftmem, 
 DETECT_S = 4  # the failure detector's timeout in the test below
 
 
-@pytest.mark.parametrize("failure, lost", [("hung", 1), ("hung", 0), ("killed", 1)],
-                         ids=["hung", "hung, the store's host", "killed"])
+@pytest.mark.parametrize("failure, lost", [
+    pytest.param("hung", 1, id="hung", marks=pytest.mark.fault(
+        "host hung (its processes stopped)", phase="after the commit, before parity", framework="DeepSpeed ZeRO-1",
+        expect="ends every rank within the detector's timeout, naming the hung node; the relaunch resumes bitwise "
+               "from memory, the node rebuilt")),
+    pytest.param("hung", 0, id="hung, the store's host", marks=pytest.mark.fault(
+        "host hung (its processes stopped)", phase="after the commit, before parity", framework="DeepSpeed ZeRO-1",
+        expect="ends every rank within the detector's timeout, naming the job's store as hung; the relaunch "
+               "resumes bitwise from memory, the node rebuilt")),
+    pytest.param("killed", 1, id="killed", marks=pytest.mark.fault(
+        "node lost (its ranks, SMP and memory)", phase="after the commit, before parity",
+        framework="DeepSpeed ZeRO-1",
+        expect="resumes bitwise from memory: the survivors end within the detector's timeout, the lost node "
+               "rebuilt from parity")),
+])
 def test_a_hung_or_killed_node_ends_the_survivors_at_the_detector_s_timeout_and_the_relaunch_resumes_bitwise(
         failure, lost, shm_dir, tmp_path):
     """A node's processes stopped (SIGSTOP: a hung host, which raises nothing) or killed while the
@@ -133,6 +162,8 @@ def assert_allocated_as_planned(config: str, world: int, shm_dir: str, job: str)
             assert 0 <= allocated - planned <= ALIGN * (len(entries) + 1) + rng, (rank, allocated, planned)
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from memory: each replica's own buffers, node 1 rebuilt from parity")
 def test_buffers_that_differ_across_replicas_resume_as_each_replica_s_own(shm_dir, tmp_path):
     """DeepSpeed does not keep buffers in step across DP replicas: a BatchNorm's running
     statistics follow each replica's data. ftmem kept the whole module once across the
@@ -155,6 +186,8 @@ def test_buffers_that_differ_across_replicas_resume_as_each_replica_s_own(shm_di
     assert_same_training(job.out, ref.out, world, ITERS)
 
 
+@pytest.mark.fault("every rank SIGKILLed", phase="between saves", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from memory: version 4, and a reload mid-run loads the newest checkpoint")
 def test_a_load_mid_run_after_a_resume_loads_the_newest_checkpoint(shm_dir, tmp_path):
     """A second load_checkpoint in one process (a rollback to the newest checkpoint, mid-run)
     loads what the default engine would: the newest. ftmem restored once per process, so a
@@ -205,6 +238,9 @@ def test_a_reload_restores_into_the_optimizer_s_own_tensors_only_where_deepspeed
                for k in got["ftmem", 0, "with"] if k.startswith("state."))  # the two loads differ where they should
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from memory: the older tag named, with its own RNG, node 1 rebuilt from "
+                          "parity")
 def test_a_load_of_an_older_tag_resumes_that_checkpoint_with_its_own_rng(shm_dir, tmp_path):
     """load_checkpoint(save_dir, tag) of a tag older than memory's newest version. ftmem
     restored its newest version first, put back that version's RNG and logged it as
@@ -226,6 +262,8 @@ def test_a_load_of_an_older_tag_resumes_that_checkpoint_with_its_own_rng(shm_dir
     assert_same_training(job.out, ref, world, ITERS)
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from memory: as DeepSpeed's elastic loader from its files, node 1 rebuilt")
 def test_an_elastic_zero1_checkpoint_resumes_as_deepspeed_s_elastic_loader_does(shm_dir, tmp_path, torch_extensions):
     """"elastic_checkpoint": true: DeepSpeed's elastic loader reads every DP rank's
     optimizer partition, on every rank; with ftmem, the other ranks' are served from
@@ -287,11 +325,26 @@ def relaunched_reference(config: str, before: int, after: int, load: tuple, root
 @pytest.mark.parametrize("config, ftmem, before, lost, after, load", [
     # DeepSpeed's elastic loader joins every old rank's fp32 partition and cuts it for 3 ranks
     # (with the optimizer's moments, DeepSpeed refuses another DP size: ZeRORuntimeException)
-    ("zero1-elastic.json", {"ec": {"k": 2, "m": 1}}, 4, 1, 3, ("--no-optimizer-states",)),
+    pytest.param("zero1-elastic.json", {"ec": {"k": 2, "m": 1}}, 4, 1, 3, ("--no-optimizer-states",),
+                 id="zero1-elastic.json-ftmem0-4-1-3-load0", marks=pytest.mark.fault(
+                     "node lost (its ranks, SMP and memory)", phase="during an elastic adoption",
+                     framework="DeepSpeed ZeRO-1",
+                     expect="resumes bitwise from memory: 4 ranks' version on 3, the lost rank rebuilt, as DeepSpeed's "
+                            "elastic loader from its files")),
     # the module alone, at half the DP size (DeepSpeed loads it at any size)
-    ("zero1.json", {"ec": {"k": 1, "m": 1}}, 4, 1, 2, ("--module-only",)),
+    pytest.param("zero1.json", {"ec": {"k": 1, "m": 1}}, 4, 1, 2, ("--module-only",),
+                 id="zero1.json-ftmem1-4-1-2-load1", marks=pytest.mark.fault(
+                     "node lost (its ranks, SMP and memory)", phase="during an elastic adoption",
+                     framework="DeepSpeed ZeRO-1",
+                     expect="resumes bitwise from memory: 4 ranks' module on 2, the lost rank rebuilt, as DeepSpeed "
+                            "loads its files")),
     # growing back: 2 nodes' memory read by the ranks of 4
-    ("zero1-elastic.json", {"ec": {"k": 1, "m": 1}}, 2, None, 4, ("--no-optimizer-states",)),
+    pytest.param("zero1-elastic.json", {"ec": {"k": 1, "m": 1}}, 2, None, 4, ("--no-optimizer-states",),
+                 id="zero1-elastic.json-ftmem2-2-None-4-load2", marks=pytest.mark.fault(
+                     "restart on fewer or more nodes", phase="during an elastic adoption",
+                     framework="DeepSpeed ZeRO-1",
+                     expect="resumes bitwise from memory: 2 ranks' version read by 4, as DeepSpeed's elastic loader "
+                            "from its files")),
 ])
 def test_a_relaunch_on_another_number_of_nodes_resumes_from_the_old_world_s_memory_as_deepspeed_loads_its_files(
         config, ftmem, before, lost, after, load, shm_dir, tmp_path, torch_extensions):
@@ -329,6 +382,9 @@ def test_a_relaunch_on_another_number_of_nodes_resumes_from_the_old_world_s_memo
     assert f"freed job {old}'s memory on nodes" in job.log(0)
 
 
+@pytest.mark.fault("restart on fewer or more nodes", phase="during an elastic adoption", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from memory: what the save dir's latest names, never an earlier run's newer "
+                          "versions")
 def test_a_rerun_into_the_same_save_dir_resumes_its_newest_state_never_an_earlier_run_s_memory(
         shm_dir, tmp_path, torch_extensions):
     """The same experiment run twice into one save dir, as a user reruns from scratch into a
@@ -378,6 +434,8 @@ def test_bad_ftmem_section_fails_at_initialize_with_the_reason(ftmem, message, s
     assert message in job.log(0)
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from memory: version 5, node 1 rebuilt, in a script that never names ftmem")
 def test_the_json_alone_switches_ftmem_on_in_a_script_that_never_mentions_it(shm_dir, tmp_path):
     """tests/harness/stock_deepspeed_train.py never imports ftmem; "checkpoint": {"engine": "ftmem"}
     in its JSON installs the adapter (ftmem_guard) before the engine is built. It then
@@ -699,6 +757,9 @@ def test_ftmem_selected_where_the_adapter_cannot_be_imported_is_refused_with_the
     assert jobs.list_jobs(shm_dir) == []
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from memory: the lost node rebuilt from parity, all 12 steps as the "
+                          "reference")
 def test_make_demo_succeeds(shm_dir):
     """What `make demo` runs: a DeepSpeed job loses a node and resumes bitwise."""
     out = subprocess.run([sys.executable, "-m", "examples.deepspeed.demo", shm_dir], capture_output=True, text=True,
@@ -744,7 +805,16 @@ def test_resumes_from_checkpoints_of_the_default_engine(shm_dir, tmp_path):
     assert "from memory" not in switched.log(0)
 
 
-@pytest.mark.parametrize("config, end", [("zero1.json", "torn down"), ("zero3.json", "preempted, the flush too slow")])
+@pytest.mark.parametrize("config, end", [
+    pytest.param("zero1.json", "torn down", id="zero1.json-torn down", marks=pytest.mark.fault(
+        "more nodes lost than parity", phase="between saves", framework="DeepSpeed ZeRO-1",
+        expect="resumes bitwise from disk: the flushed version 3, after a teardown that flushed nothing")),
+    pytest.param("zero3.json", "preempted, the flush too slow", id="zero3.json-preempted, the flush too slow",
+                 marks=pytest.mark.fault(
+                     "SIGTERM to the whole job (preemption)", phase="during a flush", framework="DeepSpeed ZeRO-3",
+                     expect="resumes bitwise from disk: the grace ends the cut flush, the older checkpoint stays "
+                            "newest and serves once two nodes are lost")),
+])
 def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, end, shm_dir, tmp_path):
     """k=2, m=1 over 3 nodes, every 3rd protected version flushed to disk. Rank 1 is
     SIGKILLed and the others get SIGTERM, as torchrun tears a job down after a failure: not a
@@ -818,6 +888,8 @@ def test_more_than_m_lost_nodes_resume_from_the_persisted_checkpoint(config, end
 PREEMPTED_ITERS = 24
 
 
+@pytest.mark.fault("SIGTERM to the whole job (preemption)", phase="during a step", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from disk: the newest version flushed at SIGTERM, every node's memory lost")
 def test_a_preempted_job_flushes_its_newest_version_and_the_relaunch_resumes_from_it_bitwise(shm_dir, tmp_path):
     """k=2, m=1 over 3 nodes, the persistent tier every 100 versions (never, in this run).
     Mid-training every process of every node, ranks and SMPs, gets SIGTERM, as a scheduler's
@@ -866,8 +938,23 @@ def _smp_logs(shm_dir: str, job: str) -> str:
                    for f in os.listdir(d) if f.endswith(".log"))
 
 
-@pytest.mark.parametrize("restart", ["two nodes lost", "memory cleaned", "half the ranks",
-                                     "half the ranks at ZeRO-3, id derived"])
+@pytest.mark.parametrize("restart", [
+    pytest.param("two nodes lost", id="two nodes lost", marks=pytest.mark.fault(
+        "more nodes lost than parity", phase="between saves", framework="DeepSpeed ZeRO-1",
+        expect="refuses with a reason: the checkpoint latest names, the nodes the group lacks; nothing freed")),
+    pytest.param("memory cleaned", id="memory cleaned", marks=pytest.mark.fault(
+        "ftmem clean after a crash", phase="between saves", framework="DeepSpeed ZeRO-1",
+        expect="refuses with a reason: the checkpoint latest names, which memory no longer holds; no fresh start")),
+    pytest.param("half the ranks", id="half the ranks", marks=pytest.mark.fault(
+        "restart on fewer or more nodes", phase="startup", framework="DeepSpeed ZeRO-1",
+        expect="refuses with a reason: the version saved under another parallel layout; nothing freed")),
+    pytest.param("half the ranks at ZeRO-3, id derived", id="half the ranks at ZeRO-3, id derived",
+                 marks=pytest.mark.fault(
+                     "restart on fewer or more nodes", phase="during an elastic adoption",
+                     framework="DeepSpeed ZeRO-3",
+                     expect="refuses with a reason: another world's memory is adopted at ZeRO 0-2 only; ftmem "
+                            "clean named, nothing freed")),
+])
 def test_a_checkpoint_memory_cannot_give_back_is_refused_not_replaced_by_a_fresh_start(restart, shm_dir, tmp_path):
     """`latest` names an ftmem checkpoint, no disk holds one, and memory cannot give it
     back: more than m=1 nodes are lost, `ftmem clean` freed the job, or the job comes
@@ -919,6 +1006,8 @@ def test_a_checkpoint_memory_cannot_give_back_is_refused_not_replaced_by_a_fresh
     assert {node: after[node] for node in held} == held  # nothing freed
 
 
+@pytest.mark.fault("another job wrote into the save dir", phase="startup", framework="DeepSpeed ZeRO-1",
+                   expect="refuses with a reason: naming both jobs; this job's stale versions never served")
 def test_a_checkpoint_another_job_wrote_into_the_save_dir_is_refused_not_served_from_this_job_s_memory(shm_dir,
                                                                                                        tmp_path):
     """A job is killed after step 3. Another job (another id and world size, on other
@@ -954,6 +1043,8 @@ def test_a_checkpoint_another_job_wrote_into_the_save_dir_is_refused_not_served_
         assert "resuming at step" not in job.log(rank)
 
 
+@pytest.mark.fault("rank SIGKILLed", phase="during a flush", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from disk: version 2, the partial flush of version 4 never published")
 def test_a_flush_killed_midway_leaves_the_previous_checkpoint_the_newest(shm_dir, tmp_path):
     """Rank 0 dies after writing one file of version 4's flush: the disk still says
     version 2, whose directory is complete, and a restart that memory cannot serve

@@ -4,6 +4,8 @@ waited for gloo's 30 minutes on a rank that never came, and the copy into shared
 which the step and the protection waited for without end. Real ranks, stopped for real."""
 import re
 
+import pytest
+
 from harness.common import job_id
 from harness.ranks import LocalJob
 
@@ -17,6 +19,9 @@ def run(shm_dir, out, *args, rank_env=None) -> LocalJob:
                     env={"SHM_DIR": shm_dir, **BOUNDS}, rank_env=rank_env)
 
 
+@pytest.mark.fault("rank stopped (SIGSTOP)", phase="during protection", framework="adapter runtime",
+                   expect="ends every rank within FTMEM_COLLECTIVE_TIMEOUT_S that waits for it: rank 0 raises "
+                          "CollectiveNotJoined naming rank 1, not after gloo's 30 minutes")
 def test_a_rank_that_never_comes_to_the_protection_is_named_when_the_wait_runs_out(shm_dir, tmp_path):
     """Rank 1 stops (SIGSTOP: a hung host) once the job agreed to protect version 2, before
     the parity exchange with its column; the failure detector is off, as it would end rank 0
@@ -31,6 +36,9 @@ def test_a_rank_that_never_comes_to_the_protection_is_named_when_the_wait_runs_o
                      r"not come within 5 s \(FTMEM_COLLECTIVE_TIMEOUT_S sets", said), said[-3000:]
 
 
+@pytest.mark.fault("copy into shared memory stalled", phase="during the copy", framework="adapter runtime",
+                   expect="ends every rank within FTMEM_COPY_TIMEOUT_S that waits for it: the wait raises, naming the "
+                          "version and its size")
 def test_a_copy_that_does_not_end_is_named_when_the_wait_for_it_runs_out(shm_dir, tmp_path):
     """Rank 0's copy of version 2 stops halfway (a device that no longer answers). The wait
     for it (the script's wait_flushed, as DeepSpeed's optimizer step waits for the copy) raises

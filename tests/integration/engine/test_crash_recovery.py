@@ -20,6 +20,8 @@ def reference(tmp_path_factory):
     return reference_run(tmp_path_factory.mktemp("reference"), WORLD)
 
 
+@pytest.mark.fault("every rank SIGKILLed", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5, the newest every node holds")
 def test_killed_between_saves(shm_dir, tmp_path, reference):
     job = TrainJob(shm_dir, tmp_path, WORLD)
     job.run_until_stopped(after=5)
@@ -31,6 +33,9 @@ def test_killed_between_saves(shm_dir, tmp_path, reference):
     job.restart_and_check(reference, expect_version=5)
 
 
+@pytest.mark.fault("every rank SIGKILLed", phase="during the copy", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: the newest version both ranks hold, older than the one torn on "
+                          "rank 1")
 def test_killed_in_the_middle_of_a_copy_never_resumes_from_a_mix(shm_dir, tmp_path, reference):
     """Rank 1 is paused halfway through copying version 6 while rank 0 commits 6 and
     goes on (to 7, as far as the training's collectives let it): the job must agree on
@@ -49,6 +54,8 @@ def test_killed_in_the_middle_of_a_copy_never_resumes_from_a_mix(shm_dir, tmp_pa
     job.restart_and_check(reference, expect_version=max(both))
 
 
+@pytest.mark.fault("rank SIGKILLed", phase="after the commit, before parity", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 6, committed by every rank before its parity")
 def test_killed_right_after_a_commit(shm_dir, tmp_path, reference):
     job = TrainJob(shm_dir, tmp_path, WORLD)
     kill = {1: {"FTMEM_TEST_HOOK": "after_commit:kill:rank=1:version=6"}}

@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from harness.common import job_id
 from harness.ranks import REPO, RANK_ENV, free_port
 
@@ -65,6 +67,9 @@ def first(calls, kind: str, *paths: str, after: int = -1) -> int:
                          "\n".join(f"{i}: {c} {n}" for i, (c, n) in enumerate(calls) if "persist" in " ".join(n)))
 
 
+@pytest.mark.fault("power lost after a flush", phase="during a flush", framework="adapter runtime",
+                   expect="resumes bitwise from disk: each flush synced before it is published and before an older one "
+                          "goes")
 def test_a_flush_is_on_the_disk_before_it_is_published_and_before_an_older_one_is_deleted(shm_dir, tmp_path):
     calls = traced_job(shm_dir, tmp_path, "on")
     # Version 3's flush: its file, then the staging directory, synced before the rename publishes it.

@@ -201,6 +201,8 @@ def test_the_garbage_collector_is_deferred_only_inside_the_block():
         gc.enable()
 
 
+@pytest.mark.fault("every rank SIGKILLed", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 11 in the restarted process")
 def test_a_restarted_process_finds_its_versions(shm_dir):
     job = job_id()
     writer = subprocess.run(
@@ -235,6 +237,8 @@ def test_saving_an_older_version_drops_the_abandoned_newer_ones(shm_dir):
 
 
 
+@pytest.mark.fault("shared memory damaged", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 1, the damaged version 2 dropped, never returned")
 def test_a_flipped_byte_is_detected_and_never_returned(shm_dir, ftmem_log):
     engine = make_engine(shm_dir)
     engine.save({"w": torch.zeros(4096)}, 1).wait_protected()
@@ -248,6 +252,9 @@ def test_a_flipped_byte_is_detected_and_never_returned(shm_dir, ftmem_log):
     engine.close(job_finished=True)
 
 
+@pytest.mark.fault("shared memory damaged", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 1; version 2, asked for by name, refused with the "
+                          "reason")
 def test_a_corrupted_commit_marker_is_detected(shm_dir):
     engine = make_engine(shm_dir)
     for v in (1, 2):
@@ -259,6 +266,8 @@ def test_a_corrupted_commit_marker_is_detected(shm_dir):
     engine.close(job_finished=True)
 
 
+@pytest.mark.fault("shared memory damaged", phase="between saves", framework="engine (toy trainer)",
+                   expect="refuses with a reason: verify raises CorruptShard, the checksum mismatch named")
 def test_verify_raises_on_a_mismatch(shm_dir):
     engine = make_engine(shm_dir)
     engine.save({"w": torch.zeros(100)}, 7).wait_protected()
@@ -287,6 +296,9 @@ def small_tmpfs():
         os.rmdir(path)  # fails if the mount is still there
 
 
+@pytest.mark.fault("/dev/shm too small", phase="startup", framework="engine (toy trainer)",
+                   expect="refuses with a reason: the first save raises ShmBudgetError with the MiB needed and free; "
+                          "the engine stays usable")
 def test_too_small_shared_memory_fails_at_the_first_save_with_the_numbers(small_tmpfs):
     engine = make_engine(small_tmpfs)
     state = {"w": torch.zeros(4 << 20)}  # 16 MiB; three versions need 48 MiB (one node: no parity)
@@ -302,6 +314,8 @@ def test_too_small_shared_memory_fails_at_the_first_save_with_the_numbers(small_
     engine.close(job_finished=True)
 
 
+@pytest.mark.fault("SMP SIGKILLed", phase="between saves", framework="engine (toy trainer)",
+                   expect="goes on: the next request starts a new SMP, and no version is lost")
 def test_a_killed_smp_is_restarted_transparently_and_loses_no_version(shm_dir):
     engine = make_engine(shm_dir)
     node_dir = engine.identity.node_dir
@@ -437,6 +451,8 @@ class GatedFormat(FrameworkFormat):
             f.write(name)
 
 
+@pytest.mark.fault("persistent tier's disk very slow", phase="during a flush", framework="engine (toy trainer)",
+                   expect="goes on: a flush due while one runs is skipped and says so, none queued")
 def test_flushes_are_skipped_not_queued_while_the_disk_is_slower_than_the_saves(shm_dir, tmp_path, ftmem_log):
     engine = make_engine(shm_dir)
     layout = GatedFormat()

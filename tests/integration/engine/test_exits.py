@@ -49,6 +49,9 @@ def on_the_tier(persist) -> list:
 
 
 @pytest.mark.parametrize("end, code", [("raise", 1), ("exit3", 3)], ids=["uncaught-exception", "sys-exit-3"])
+@pytest.mark.fault("rank exits with an error", phase="at the job's end", framework="adapter runtime",
+                   expect="ends every rank within the detector's timeout, naming the dead rank; memory kept for the "
+                          "restart")
 def test_a_rank_that_dies_of_an_exception_or_a_non_zero_exit_is_reported_by_its_watcher_while_the_others_are_stuck(
         end, code, shm_dir, tmp_path):
     """3 ranks on 3 nodes; once the last save is protected, ranks 0 and 1 block in
@@ -83,6 +86,8 @@ def test_a_rank_that_dies_of_an_exception_or_a_non_zero_exit_is_reported_by_its_
 
 
 @pytest.mark.parametrize("end", ["exit42", "builtin-exit42"])
+@pytest.mark.fault("rank exits with an error", phase="at the job's end", framework="adapter runtime",
+                   expect="resumes bitwise from memory: version 3, nothing flushed at the failed end")
 def test_a_non_zero_exit_on_every_rank_keeps_memory_for_the_restart_though_a_persistent_tier_is_configured(
         end, shm_dir, tmp_path):
     """Every rank ends with status 42 (``sys.exit(42)``, the builtin ``exit(42)``; a bare ``raise
@@ -133,6 +138,8 @@ ENDED_WITHIN_S = 30
 
 
 @pytest.mark.parametrize("others", ["stuck", "crash"])
+@pytest.mark.fault("SIGTERM to one rank", phase="at the job's end", framework="adapter runtime",
+                   expect="ends every rank within 30 s of rank 0's end, nothing flushed, memory kept for the restart")
 def test_a_sigterm_to_the_rank_that_serves_the_store_alone_ends_the_others_within_seconds(others, shm_dir, tmp_path):
     """A single pod evicted: SIGTERM to rank 0 alone, whose process serves the job's store
     (``env://``, as under the deepspeed launcher). It is no preemption of the whole job (the

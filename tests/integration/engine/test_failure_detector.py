@@ -13,6 +13,7 @@ import textwrap
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from harness.ranks import REPO
@@ -82,6 +83,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.fault("network fault", phase="between saves", framework="engine (toy trainer)",
+                   expect="goes on: a beat whose connection is reset takes a new one, and the watcher sees no silence")
 def test_a_beat_that_fails_takes_a_new_connection_and_the_watcher_sees_no_silence():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=120, env=dict(os.environ, FTMEM_LOG_LEVEL="DEBUG"))
@@ -109,6 +112,9 @@ RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.fault("rank stopped (SIGSTOP)", phase="between saves", framework="engine (toy trainer)",
+                   expect="ends every rank within the detector's timeout, each naming the silent node, a rank stopped "
+                          "at the verdict too")
 def test_the_rank_that_serves_the_store_ends_its_verdict_only_once_a_slow_rank_read_it():
     """Ranks 0 and 2 of 3, one per node; rank 1 never beats. Rank 0 (which watches rank 1 and
     serves the store) puts the verdict on the store; rank 2 (which watches rank 0) is stopped

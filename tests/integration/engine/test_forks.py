@@ -151,6 +151,8 @@ def assert_went_on_saving(code, said: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["pool terminated", "with pool left"])
+@pytest.mark.fault("forked child signalled", phase="between saves", framework="engine (toy trainer)",
+                   expect="goes on: the pool's workers end by SIGTERM, and the training process goes on saving")
 def test_a_pool_terminated_while_busy_leaves_the_training_process_saving(case, shm_dir, tmp_path):
     """Data pipelines terminate a busy fork pool, by ``pool.terminate()`` or by leaving
     ``with Pool() as p:`` while tasks run. Its workers, forks of the training process, get
@@ -161,6 +163,9 @@ def test_a_pool_terminated_while_busy_leaves_the_training_process_saving(case, s
     assert "child: the pool's workers left running: []" in said, said
 
 
+@pytest.mark.fault("forked child signalled", phase="between saves", framework="engine (toy trainer)",
+                   expect="goes on: the child ends by SIGTERM (-15) as without ftmem, and the training process goes on "
+                          "saving")
 def test_a_forked_process_ends_by_sigterm_as_without_ftmem_and_the_training_process_goes_on_saving(shm_dir, tmp_path):
     """A fork-started multiprocessing.Process that is terminated ends by SIGTERM (exit code
     -15), as it does without ftmem, and its signal is not the training process's."""
@@ -169,6 +174,9 @@ def test_a_forked_process_ends_by_sigterm_as_without_ftmem_and_the_training_proc
     assert "child: the process's exit code: -15" in said, said
 
 
+@pytest.mark.fault("DataLoader worker killed", phase="between saves", framework="engine (toy trainer)",
+                   expect="goes on: the loader raises torch's own error as without ftmem, and the training process "
+                          "goes on saving")
 def test_a_dataloader_worker_killed_mid_epoch_fails_the_epoch_as_without_ftmem_and_training_goes_on_saving(
         shm_dir, tmp_path):
     """A fork worker of a DataLoader killed by SIGTERM mid-epoch: the training process sees
@@ -182,6 +190,8 @@ def test_a_dataloader_worker_killed_mid_epoch_fails_the_epoch_as_without_ftmem_a
     assert without_ftmem in said.splitlines(), f"without ftmem: {without_ftmem!r}; with it:\n{said}"
 
 
+@pytest.mark.fault("forked child signalled", phase="between saves", framework="engine (toy trainer)",
+                   expect="goes on: the subprocess ends by SIGTERM (-15), and the training process goes on saving")
 def test_a_terminated_subprocess_ends_by_sigterm_and_the_training_process_goes_on_saving(shm_dir, tmp_path):
     """A subprocess (fork, then exec) that is terminated ends by SIGTERM (return code -15): it
     must take none of ftmem's handling with it, nor a signal mask that keeps SIGTERM out."""
@@ -238,6 +248,9 @@ ADAPTER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.fault("forked child exits", phase="between saves", framework="adapter runtime",
+                   expect="goes on: the child's exit hooks leave the job's memory alone, and the training process goes "
+                          "on saving")
 def test_a_child_of_os_fork_that_exits_leaves_the_job_its_memory(shm_dir, tmp_path):
     """A child of plain ``os.fork()`` that ends by ``sys.exit(0)`` runs the atexit hooks it
     inherited, the adapter runtime's end of the job among them. That end is the training

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from harness.common import REPO, job_id, logged
 from harness.ranks import LocalJob, free_port, wait_until
 from ftmem import restored_from_memory
@@ -56,6 +58,9 @@ def read(path):
         return f.read()
 
 
+@pytest.mark.fault("every rank SIGKILLed", phase="between saves", framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from memory: version 3 under the id derived again by the plain torchrun "
+                          "relaunch")
 def test_a_plain_torchrun_relaunch_finds_its_snapshots(shm_dir, tmp_path):
     save, out, log = str(tmp_path / "ckpt"), str(tmp_path / "out"), str(tmp_path / "torchrun.log")
     port = free_port()
@@ -73,6 +78,9 @@ def test_a_plain_torchrun_relaunch_finds_its_snapshots(shm_dir, tmp_path):
         assert logged(restored_from_memory(3, rank, "tag global_step3"), read(log))  # step 2 done: global step 3
 
 
+@pytest.mark.fault("another job under the same id", phase="startup", framework="DeepSpeed ZeRO-1",
+                   expect="refuses with a reason: JobAlreadyRunning naming the pid, ForeignVersions naming the save "
+                          "dir; nothing deleted")
 def test_an_unrelated_job_under_the_same_id_is_refused_and_deletes_nothing(shm_dir, tmp_path):
     shared_id = job_id()
     env = {"DS_ACCELERATOR": "cpu"}

@@ -102,6 +102,9 @@ def test_the_data_checksum_sees_a_flip_in_any_chunk_whatever_buffer_holds_the_by
     assert data_checksum(data[:DATA_CHUNK]) != data_checksum(data[: DATA_CHUNK + 1])
 
 
+@pytest.mark.fault("shared memory damaged", phase="after the commit, before parity", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 1, the damaged version 2 dropped as lost, never "
+                          "restored")
 def test_a_byte_flipped_right_after_its_commit_with_the_smp_down_is_never_restored(shm_dir, ftmem_log,
                                                                                   monkeypatch):
     engine = make_engine(shm_dir, job_id())
@@ -116,6 +119,8 @@ def test_a_byte_flipped_right_after_its_commit_with_the_smp_down_is_never_restor
     engine.close(job_finished=True)
 
 
+@pytest.mark.fault("shared memory damaged", phase="after the commit, before parity", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 1, the changed marker caught by its own checksum")
 def test_a_commit_marker_changed_right_after_its_commit_with_the_smp_down_is_never_restored(shm_dir, ftmem_log,
                                                                                           monkeypatch):
     """A change that still decodes (a key renamed in the skeleton) is caught by the
@@ -137,6 +142,8 @@ def test_a_commit_marker_changed_right_after_its_commit_with_the_smp_down_is_nev
     engine.close(job_finished=True)
 
 
+@pytest.mark.fault("shared memory damaged", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5, rank 0's damaged data rebuilt from parity")
 def test_a_byte_flipped_with_the_smp_down_is_rebuilt_from_parity(shm_dir, tmp_path, reference):
     job = TrainJob(shm_dir, tmp_path, world=WORLD, ec=(2, 1))
     job.run_until_stopped(after=5)
@@ -149,6 +156,8 @@ def test_a_byte_flipped_with_the_smp_down_is_rebuilt_from_parity(shm_dir, tmp_pa
 
 # -- finding 7: a missing, empty or short file is a lost shard -------------------------
 @pytest.mark.parametrize("how", ["missing", "empty", "short"])
+@pytest.mark.fault("shared memory damaged", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 1, the damaged version 2 treated as lost")
 def test_a_missing_empty_or_short_slot_file_is_a_lost_shard(shm_dir, ftmem_log, how):
     job = job_id()
     engine = make_engine(shm_dir, job)
@@ -169,6 +178,9 @@ def test_a_missing_empty_or_short_slot_file_is_a_lost_shard(shm_dir, ftmem_log, 
 
 
 @pytest.mark.parametrize("what", ["data", "markers"])
+@pytest.mark.fault("shared memory damaged", phase="between saves", framework="engine (toy trainer)",
+                   expect="refuses with a reason: NotRecoverableFromMemory naming the damaged versions, never a fresh "
+                          "start")
 def test_a_job_whose_every_version_is_damaged_is_not_taken_for_a_fresh_job(shm_dir, ftmem_log, what):
     """With every held version dropped as damaged, nothing is left, as for a job that never
     saved: the restart would have started from scratch with no word of the versions lost.
@@ -192,6 +204,8 @@ def test_a_job_whose_every_version_is_damaged_is_not_taken_for_a_fresh_job(shm_d
     again.close(job_finished=True)
 
 
+@pytest.mark.fault("shared memory damaged", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 5, rank 0 rebuilt from the other nodes' parity")
 def test_a_rank_whose_slot_file_is_gone_and_parity_file_empty_is_rebuilt(shm_dir, tmp_path, reference):
     job = TrainJob(shm_dir, tmp_path, world=WORLD, ec=(2, 1))
     job.run_until_stopped(after=5)
@@ -205,6 +219,9 @@ def test_a_rank_whose_slot_file_is_gone_and_parity_file_empty_is_rebuilt(shm_dir
 
 
 # -- finding 3: a rebuild checks the parity's geometry; rebuilt data its checksum -------
+@pytest.mark.fault("restart under another EC geometry", phase="startup", framework="engine (toy trainer)",
+                   expect="refuses with a reason: every rank exits 3 naming the geometry the parity was written for "
+                          "and the new one")
 def test_a_rebuild_under_another_ec_geometry_is_refused_on_every_rank(shm_dir, tmp_path):
     job = TrainJob(shm_dir, tmp_path, world=WORLD, ec=(2, 1))
     job.run_until_stopped(after=5)
@@ -219,6 +236,8 @@ def test_a_rebuild_under_another_ec_geometry_is_refused_on_every_rank(shm_dir, t
         assert "restored iteration" not in log
 
 
+@pytest.mark.fault("restart on fewer or more nodes", phase="startup", framework="engine (toy trainer)",
+                   expect="refuses with a reason: every rank, the new one too, exits 3 naming both geometries")
 def test_a_restart_with_one_more_rank_is_refused_on_every_rank(shm_dir, tmp_path):
     """Issue 15, finding 4: the same job id restarted on 4 ranks (k=3) where 3 saved (k=2).
     The new rank has nothing, and used to fail with an IndexError while the others hung."""
@@ -233,6 +252,8 @@ def test_a_restart_with_one_more_rank_is_refused_on_every_rank(shm_dir, tmp_path
         assert "the job now runs k=3, m=1 over nodes [0, 1, 2, 3]" in log
 
 
+@pytest.mark.fault("shared memory damaged", phase="during a rebuild", framework="engine (toy trainer)",
+                   expect="refuses with a reason: every rank exits 3, the rebuilt data missing its writer's checksum")
 def test_rebuilt_data_that_misses_its_writers_checksum_is_refused_on_every_rank(shm_dir, tmp_path):
     """Node 0's parity piece for node 1's first piece is changed and checksummed again:
     it passes its own check, but what it rebuilds is not what node 1 wrote."""
@@ -257,6 +278,9 @@ def test_rebuilt_data_that_misses_its_writers_checksum_is_refused_on_every_rank(
         assert "restored iteration" not in log
 
 
+@pytest.mark.fault("shared memory damaged", phase="during protection", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 4, node 1 rebuilt, the damaged parity of version 5 "
+                          "found")
 def test_a_parity_copy_damaged_before_its_marker_is_found_and_the_version_before_resumes(shm_dir, tmp_path):
     """2 nodes mirrored (k=1, m=1): node 0 keeps node 1's data as its parity. A byte of it
     changes after it arrived and before its marker is written. The marker carries node 1's

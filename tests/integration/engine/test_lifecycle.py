@@ -59,6 +59,8 @@ def test_a_runtime_the_script_closed_does_not_end_again_at_exit(shm_dir, tmp_pat
     assert not os.path.exists(persist / "newest") and not glob.glob(str(persist / "v*")), os.listdir(persist)
 
 
+@pytest.mark.fault("rank exits with an error", phase="at the job's end", framework="adapter runtime",
+                   expect="resumes bitwise from memory: version 3, kept through sys.exit(1) on every rank")
 def test_sys_exit_keeps_the_newest_version_for_the_restart(shm_dir, tmp_path):
     """Finding 5: sys.exit(1) on every rank used to count as a clean end and free everything."""
     job = job_id()
@@ -86,6 +88,8 @@ def test_a_dp_sharded_tensor_is_restored_into_the_tensors_the_ranks_name(into, s
         assert f"rank {rank}: restored w = [3.0] x 1000 into {where}" in back.log(rank), back.log(rank)
 
 
+@pytest.mark.fault("rank exits with an error", phase="at the job's end", framework="adapter runtime",
+                   expect="resumes bitwise from memory: every node keeps version 2 for the restart")
 def test_an_uncaught_exception_keeps_the_newest_version(shm_dir, tmp_path):
     job = job_id()
     ended = run(shm_dir, tmp_path, "--steps", "2", "--end", "raise", job=job)
@@ -115,6 +119,8 @@ def test_a_relaunch_that_resumes_at_its_last_step_keeps_what_it_resumed_from(shm
     assert f"job {job} keeps its newest version (2) in shared memory" in again.log(0)
 
 
+@pytest.mark.fault("rank exits with an error", phase="at the job's end", framework="adapter runtime",
+                   expect="resumes bitwise from memory: version 3, written to the tier before the memory goes")
 def test_a_relaunch_that_resumes_at_its_last_step_writes_it_to_the_tier_before_freeing(shm_dir, tmp_path):
     job, persist = job_id(), tmp_path / "persist"
     assert run(shm_dir, tmp_path / "out", "--steps", "3", "--end", "exit1", job=job).wait(TIMEOUT) == [1, 1]
@@ -124,6 +130,9 @@ def test_a_relaunch_that_resumes_at_its_last_step_writes_it_to_the_tier_before_f
     assert (persist / "newest").read_text() == "v3" and jobs.list_jobs(shm_dir) == []
 
 
+@pytest.mark.fault("persistent tier's directory replaced by a file", phase="at the job's end",
+                   framework="adapter runtime",
+                   expect="goes on: the job ends, its memory kept, naming the failed flush and how to free the memory")
 def test_a_last_flush_that_fails_keeps_memory_and_still_says_how_to_free_it(shm_dir, tmp_path):
     """The flush of the newest version at the end failed (its directory was replaced by a
     file while the ranks were at the end). The memory stays, but the close that follows
@@ -161,6 +170,9 @@ def tiny_disk(tmp_path):
         subprocess.run(["umount", "-l", str(path)], check=True)
 
 
+@pytest.mark.fault("persistent tier's disk full", phase="during a flush", framework="adapter runtime",
+                   expect="refuses with a reason: the failed flush names ENOSPC, the bytes needed and free; v1 stays "
+                          "whole, memory keeps version 2")
 def test_a_full_disk_under_the_persistent_tier_is_named_and_leaves_nothing_half_written(shm_dir, tmp_path,
                                                                                         tiny_disk):
     """The persistent tier on a disk that fills up: 2 ranks flush 80 KiB each per version,
@@ -190,6 +202,8 @@ def test_a_full_disk_under_the_persistent_tier_is_named_and_leaves_nothing_half_
 
 
 
+@pytest.mark.fault("persistent tier's disk full", phase="during a flush", framework="adapter runtime",
+                   expect="refuses with a reason: ENOSPC naming the temporary file, which goes")
 def test_a_write_that_fills_the_disk_names_its_file_and_leaves_no_temporary_file(tiny_disk):
     """A full disk shows either in a write during torch.save or in the close of the file,
     where Python's buffered file writes its tail and raises an OSError without a file name.
@@ -252,6 +266,8 @@ def test_a_script_that_ends_torch_distributed_itself_still_frees_memory_once_on_
     assert jobs.list_jobs(shm_dir) == [] and (persist / "newest").read_text() == "v3"
 
 
+@pytest.mark.fault("rank exits with an error", phase="at the job's end", framework="adapter runtime",
+                   expect="resumes bitwise from memory: every node keeps version 2, the exception in flight named")
 def test_a_failure_that_ends_torch_distributed_in_a_finally_keeps_the_newest_version(shm_dir, tmp_path):
     """The same call made while an exception is in flight (``finally:``) is a crash."""
     job = job_id()
@@ -261,6 +277,9 @@ def test_a_failure_that_ends_torch_distributed_in_a_finally_keeps_the_newest_ver
     assert "it ended with an exception in flight (RuntimeError)" in ended.log(0) + ended.log(1)
 
 
+@pytest.mark.fault("rank SIGKILLed", phase="at the job's end", framework="adapter runtime",
+                   expect="ends every rank within FTMEM_FINISH_TIMEOUT_S, no finish agreed: every node keeps its "
+                          "memory")
 def test_a_rank_killed_in_the_teardown_keeps_every_node_s_memory(shm_dir, tmp_path):
     """Finding 5: freeing was decided per node, so nodes freed while rank 0, killed in its
     teardown, still held its versions. Now the ranks agree first; rank 1 waits for rank 0
@@ -286,6 +305,8 @@ def test_an_unwritable_persist_dir_is_refused_at_the_start(shm_dir, tmp_path):
         in refused.log(0)
 
 
+@pytest.mark.fault("a node sees a stale persistent tier", phase="startup", framework="adapter runtime",
+                   expect="refuses with a reason: every rank names the checkpoints each sees, none trains on apart")
 def test_ranks_that_see_different_newest_disk_checkpoints_are_refused_not_resumed_apart(shm_dir, tmp_path):
     """Memory cannot serve (the job ended and freed it), so the restart resumes from disk;
     but rank 1 reads the tier through a view a flush behind (a node whose file system cache
@@ -312,6 +333,8 @@ def test_ranks_that_see_different_newest_disk_checkpoints_are_refused_not_resume
     assert all(f"rank {rank}: resumes at step 4 (disk)" in same.log(rank) for rank in range(2))
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="adapter runtime",
+                   expect="resumes bitwise from memory: version 3, after one node lost and then the other")
 def test_a_rebuilt_node_is_protected_again_before_the_next_save(shm_dir, tmp_path):
     """Node 1 lost and rebuilt from node 0's parity at the restart; the job resumes at its
     last step, saves nothing and ends, keeping version 3. The rebuild gave node 1 its data
@@ -350,6 +373,8 @@ def test_a_job_that_loaded_an_older_version_by_name_keeps_the_newer_ones_at_its_
 
 
 @pytest.mark.parametrize("smps", ["alive", "stopped"])
+@pytest.mark.fault("restart on fewer or more nodes", phase="startup", framework="adapter runtime",
+                   expect="refuses with a reason: LayoutMismatch naming the change and ftmem clean; memory kept")
 def test_a_relaunch_with_another_number_of_ranks_per_node_is_refused_naming_the_change(smps, shm_dir, tmp_path):
     """Two ranks on two nodes save and exit; the job comes back with both ranks on one
     node. Rank 1's versions are in node 1's directory, and node 0's SMP serves rank 0 only:
@@ -372,6 +397,9 @@ def test_a_relaunch_with_another_number_of_ranks_per_node_is_refused_naming_the_
     assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
 
 
+@pytest.mark.fault("restart on fewer or more nodes", phase="startup", framework="adapter runtime",
+                   expect="refuses with a reason: naming the first layout's job, its versions and ftmem clean; memory "
+                          "kept")
 def test_a_relaunch_under_a_derived_id_of_another_layout_names_the_versions_the_first_layout_holds(shm_dir, tmp_path):
     """Without FTMEM_JOB_ID the job id derives from the save dir and the world layout. A
     relaunch with another layout is another job, which holds nothing: it used to start from
@@ -394,6 +422,10 @@ def test_a_relaunch_under_a_derived_id_of_another_layout_names_the_versions_the_
     assert held(shm_dir, first) == {0: [1, 2, 3], 1: [1, 2, 3]}  # the relaunch's own job holds nothing
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="during an elastic adoption",
+                   framework="adapter runtime",
+                   expect="resumes bitwise from memory: version 2 adopted on 2 ranks, rank 0 rebuilt, never the "
+                          "damaged version 3")
 def test_a_relaunch_on_fewer_nodes_adopts_the_newest_version_the_old_world_can_give_back_never_a_damaged_copy(
         shm_dir, tmp_path):
     """3 ranks on 3 nodes (one EC group, m=1) save steps 1-3 and fail (memory kept). Node 0
@@ -425,6 +457,9 @@ def test_a_relaunch_on_fewer_nodes_adopts_the_newest_version_the_old_world_can_g
     assert new != old and held(shm_dir, new) == {0: [3, 4], 1: [3, 4]}
 
 
+@pytest.mark.fault("shared memory damaged", phase="during an elastic adoption", framework="adapter runtime",
+                   expect="resumes bitwise from memory: version 3 adopted on 2 ranks, its data intact on every old "
+                          "rank")
 def test_a_relaunch_adopts_a_version_whose_data_is_whole_though_a_parity_record_is_damaged(shm_dir, tmp_path):
     """3 ranks on 3 nodes (one EC group, m=1) save steps 1-3 and fail; a byte of node 1's
     parity marker of version 3 is flipped (that parity counts as lost), no node lost. The
@@ -447,7 +482,20 @@ def test_a_relaunch_adopts_a_version_whose_data_is_whole_though_a_parity_record_
         assert f"rank {rank}: adopted version 3 of 3 old ranks: w = [3.0]" in log
 
 
-@pytest.mark.parametrize("second", ["whole", "lost beyond repair", "restarted in its own world"])
+@pytest.mark.parametrize("second", [
+    pytest.param("whole", id="whole", marks=pytest.mark.fault(
+        "every rank SIGKILLed", phase="during an elastic adoption", framework="adapter runtime",
+        expect="resumes bitwise from memory: a third relaunch adopts the killed relaunch's version 4 and frees "
+               "both old jobs once it protects its own")),
+    pytest.param("lost beyond repair", id="lost beyond repair", marks=pytest.mark.fault(
+        "more nodes lost than parity", phase="during an elastic adoption", framework="adapter runtime",
+        expect="resumes bitwise from memory: the first job's version 3, rank 0 rebuilt, where the killed "
+               "relaunch lost a node and its other copy is damaged")),
+    pytest.param("restarted in its own world", id="restarted in its own world", marks=pytest.mark.fault(
+        "every rank SIGKILLed", phase="during an elastic adoption", framework="adapter runtime",
+        expect="resumes bitwise from memory: the killed relaunch its own version 4, freeing the job it adopted "
+               "from only once it protects a version of its own")),
+])
 def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_version_either_job_gives_back(
         second, shm_dir, tmp_path):
     """Job A (3 ranks on 3 nodes) saves steps 1-3 and fails; its node 0 is lost. The relaunch
@@ -542,6 +590,9 @@ def test_old_jobs_that_are_not_one_line_of_relaunches_are_refused_not_ranked_by_
             line_of_jobs({"A": a, "B": head("B", 5, ("A", 3))})
 
 
+@pytest.mark.fault("more nodes lost than parity", phase="during an elastic adoption", framework="adapter runtime",
+                   expect="refuses with a reason: every rank names the nodes the group lacks, never a fresh start; "
+                          "memory kept")
 def test_a_relaunch_that_cannot_rebuild_the_old_world_is_refused_and_frees_nothing(shm_dir, tmp_path):
     """As above, with two of the old group's three nodes lost: no version can be rebuilt.
     The relaunch stops on every rank with the reason, never a fresh start, and the old

@@ -36,6 +36,9 @@ def _start(shm_dir: str, how: str, tmp_path) -> tuple[subprocess.Popen, str]:
     return proc, log
 
 
+@pytest.mark.fault("SIGTERM to the whole job (preemption)", phase="between saves", framework="engine (toy trainer)",
+                   expect="ends every rank within 60 s by SIGTERM, saying what memory holds is lost without a "
+                          "persistent tier")
 def test_without_a_persistent_tier_sigterm_says_what_is_lost_and_ends_the_process_as_sigterm_does(shm_dir, tmp_path):
     proc, log = _start(shm_dir, "ftmem's", tmp_path)
     try:
@@ -48,6 +51,9 @@ def test_without_a_persistent_tier_sigterm_says_what_is_lost_and_ends_the_proces
             "protected, 1 saved) is lost if the job's machines go") in said, said
 
 
+@pytest.mark.fault("SIGTERM to the whole job (preemption)", phase="between saves", framework="engine (toy trainer)",
+                   expect="ends every rank within 60 s through the script's own SIGTERM handler, which keeps the "
+                          "signal")
 def test_a_handler_the_script_set_first_keeps_the_signal(shm_dir, tmp_path):
     proc, log = _start(shm_dir, "own handler", tmp_path)
     try:
@@ -83,6 +89,9 @@ ASYNCIO = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("order", ["loop after ftmem", "loop before ftmem"])
+@pytest.mark.fault("SIGTERM to the whole job (preemption)", phase="between saves", framework="engine (toy trainer)",
+                   expect="ends every rank within 60 s by SIGTERM, an asyncio loop owning the wakeup fd "
+                          "notwithstanding")
 def test_an_event_loop_that_owns_the_signal_wakeup_fd_does_not_keep_ftmem_from_hearing_sigterm(order, shm_dir,
                                                                                                 tmp_path):
     """asyncio's add_signal_handler takes the wakeup fd. Taken after ftmem's start, ftmem's
@@ -103,6 +112,8 @@ def test_an_event_loop_that_owns_the_signal_wakeup_fd_does_not_keep_ftmem_from_h
     assert "ftmem: SIGTERM: no persistent tier (\"ftmem.persist\") to flush to" in said, said
 
 
+@pytest.mark.fault("SIGTERM to the whole job (preemption)", phase="at the job's end", framework="adapter runtime",
+                   expect="ends every rank within the grace by SIGTERM, the newest version flushed to the tier")
 def test_a_main_thread_inside_a_store_get_does_not_keep_the_preemption_from_its_decision(shm_dir, tmp_path):
     """Both ranks' main threads wait in a ``get`` on the job's store (a framework waiting for a
     key a slow rank has not set) when SIGTERM comes to every rank. A store client serves one
@@ -147,6 +158,9 @@ TEARDOWN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.fault("rank exits abruptly (os._exit)", phase="at the job's end", framework="engine (toy trainer)",
+                   expect="refuses with a reason: every rank reads that the SIGTERM is a teardown, no preemption (rank "
+                          "1 died first)")
 def test_the_rank_that_serves_the_store_ends_only_once_the_others_read_why_this_is_no_preemption(tmp_path):
     """Rank 0 serves the job's store (the deepspeed launcher's env://). Rank 1 died, so the
     SIGTERM that follows is a teardown: rank 0 decides so at once; rank 2 gets there after that

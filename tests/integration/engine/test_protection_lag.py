@@ -71,7 +71,15 @@ def reference(tmp_path_factory):
     return reference_run(tmp_path_factory.mktemp("reference"), 2)
 
 
-@pytest.mark.parametrize("loss", ["processes", "node"])
+@pytest.mark.parametrize("loss", [
+    pytest.param("processes", id="processes", marks=pytest.mark.fault(
+        "every rank SIGKILLed", phase="during protection", framework="engine (toy trainer)",
+        expect="resumes bitwise from memory: version 6, which every rank holds whole, its protection still held")),
+    pytest.param("node", id="node", marks=pytest.mark.fault(
+        "node lost (its ranks, SMP and memory)", phase="during protection", framework="engine (toy trainer)",
+        expect="resumes bitwise from memory: the version protected before the held one, node 1 rebuilt from "
+               "parity")),
+])
 def test_a_crash_while_protection_lags_restores_the_newest_version_it_can(shm_dir, tmp_path, reference, loss):
     """Rank 0's protection of a version >= 2 is held while both ranks save on to 6 and stop
     there (the toy trainer waits for 6 to be protected). A crash of processes then restores

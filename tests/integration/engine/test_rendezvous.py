@@ -64,6 +64,9 @@ def test_a_joined_rendezvous_leaves_no_keys_on_the_job_s_store(tmp_path, store):
 
 
 @pytest.mark.parametrize("store", STORES)
+@pytest.mark.fault("rank late to a collective", phase="during a restore", framework="adapter runtime",
+                   expect="refuses with a reason: CollectiveNotJoined within FTMEM_COLLECTIVE_TIMEOUT_S naming rank 1, "
+                          "and the late rank at once")
 def test_a_rank_alone_is_refused_within_the_bound_and_a_late_one_at_once(tmp_path, store):
     outs = run_ranks(tmp_path, store, "abandoned")
     assert "refused: a test read is a collective" in outs[0] and "ranks [1] did not within 2 s" in outs[0], outs

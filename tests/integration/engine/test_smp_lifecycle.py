@@ -70,6 +70,9 @@ def assert_names_the_smp(error, node_dir, pid):
 
 
 # -- an SMP that stops answering --------------------------------------------------------------
+@pytest.mark.fault("SMP stopped (SIGSTOP)", phase="during the copy", framework="engine (toy trainer)",
+                   expect="goes on: the save that needs it raises SmpError naming it within FTMEM_SMP_TIMEOUT_S, then "
+                          "a new SMP takes over")
 def test_a_stopped_smp_fails_the_save_that_needs_it_by_name_and_a_new_one_takes_over(shm_dir, short_bound):
     engine = make_engine(shm_dir)
     node_dir = engine.identity.node_dir
@@ -88,6 +91,8 @@ def test_a_stopped_smp_fails_the_save_that_needs_it_by_name_and_a_new_one_takes_
     engine.close(job_finished=True)
 
 
+@pytest.mark.fault("SMP stopped (SIGSTOP)", phase="startup", framework="engine (toy trainer)",
+                   expect="refuses with a reason: the restarted rank exits 1 with SmpUnresponsive naming the SMP")
 def test_a_rank_started_against_a_stopped_smp_exits_with_the_reason(shm_dir, short_bound):
     job = job_id()
     engine = make_engine(shm_dir, job)
@@ -199,6 +204,8 @@ class TwoNodeJob:
             p.communicate()
 
 
+@pytest.mark.fault("SMP stopped (SIGSTOP)", phase="during the copy", framework="engine (toy trainer)",
+                   expect="refuses with a reason: the rank's save fails with SmpUnresponsive naming the SMP, no hang")
 def test_a_stopped_smp_met_on_the_copy_thread_fails_the_save_handle(shm_dir, tmp_path):
     job = TwoNodeJob(shm_dir, tmp_path, "stop", env={"FTMEM_SMP_TIMEOUT_S": str(BOUND_S)})
     try:
@@ -214,6 +221,9 @@ def test_a_stopped_smp_met_on_the_copy_thread_fails_the_save_handle(shm_dir, tmp
 
 
 # -- `ftmem clean` under a running job ---------------------------------------------------------
+@pytest.mark.fault("ftmem clean under a running job", phase="between saves", framework="engine (toy trainer)",
+                   expect="refuses with a reason: the next save raises naming the removed memory, and nothing starts "
+                          "again")
 def test_ftmem_clean_of_a_running_job_fails_its_next_save_and_starts_nothing_again(shm_dir):
     job = job_id()
     engine = make_engine(shm_dir, job)
@@ -226,7 +236,14 @@ def test_ftmem_clean_of_a_running_job_fails_its_next_save_and_starts_nothing_aga
     engine.close(job_finished=True)  # nothing is left to free: no error
 
 
-@pytest.mark.parametrize("point", ["mid_copy", "after_commit"])
+@pytest.mark.parametrize("point", [
+    pytest.param("mid_copy", id="mid_copy", marks=pytest.mark.fault(
+        "ftmem clean under a running job", phase="during the copy", framework="engine (toy trainer)",
+        expect="refuses with a reason: every rank exits 1 with SharedMemoryRemoved, no segfault nor bare OSError")),
+    pytest.param("after_commit", id="after_commit", marks=pytest.mark.fault(
+        "ftmem clean under a running job", phase="after the commit, before parity", framework="engine (toy trainer)",
+        expect="refuses with a reason: every rank exits 1 with SharedMemoryRemoved, no segfault nor bare OSError")),
+])
 def test_ftmem_clean_under_a_save_in_flight_fails_the_job_clearly_without_a_segfault(shm_dir, tmp_path, point):
     """Both ranks are halfway through copying version 2, or have committed it and are about
     to encode its parity, when ``ftmem clean`` stops their SMPs and deletes their node
@@ -247,6 +264,8 @@ def test_ftmem_clean_under_a_save_in_flight_fails_the_job_clearly_without_a_segf
 
 
 # -- a node directory that lost its SMP's key file -----------------------------------------------
+@pytest.mark.fault("shared memory damaged", phase="between saves", framework="engine (toy trainer)",
+                   expect="resumes bitwise from memory: version 1, the SMP restarted with a fresh key")
 def test_a_vanished_key_file_gets_the_smp_restarted_with_a_fresh_key(shm_dir, ftmem_log):
     job = job_id()
     engine = make_engine(shm_dir, job)

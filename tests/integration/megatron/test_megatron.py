@@ -30,6 +30,8 @@ from harness.megatron_jobs import ITERS, STOP, TIMEOUT, MegatronJob, reference
     (2, ["--use-distributed-optimizer"], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m", "1",
                                           "--ftmem-dp-shard", "on"], 1, 2),
 ], ids=["tp2", "pp2-dp2", "tp2-dp2-dp-shard", "dp2-distributed-optimizer"])
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="Megatron (megatron-core)",
+                   expect="resumes bitwise from memory: iteration 3, the lost node's rank rebuilt from parity")
 def test_resume_after_losing_a_node_is_bitwise(world, parallel, ftmem, lost_node, replicas, shm_dir, tmp_path):
     ref = reference(world, parallel, str(tmp_path / "reference"))
     job = MegatronJob(world, parallel, ftmem, shm_dir, str(tmp_path / "run"))
@@ -68,11 +70,22 @@ def stopped_after(job: "MegatronJob", world: int) -> None:
 # R, whose replicated bytes lie across it and old rank R + 2; old rank 0 lost, new rank 0
 # also needs the rest of its column (old ranks 1, 2, 3) and their parity to rebuild it.
 @pytest.mark.parametrize("lost, dp_shard, received, rebuilt", [
-    ([0], "auto", [3, 2], [0]), ([], "auto", [2, 2], []),
+    pytest.param([0], "auto", [3, 2], [0], id="a node lost", marks=pytest.mark.fault(
+        "node lost (its ranks, SMP and memory)", phase="during an elastic adoption",
+        framework="Megatron (megatron-core)",
+        expect="resumes bitwise from memory: TP 2 x DP 2 on TP 2 x DP 1, old rank 0 rebuilt, as Megatron loads "
+               "its files")),
+    pytest.param([], "auto", [2, 2], [], id="shrunk", marks=pytest.mark.fault(
+        "restart on fewer or more nodes", phase="during an elastic adoption", framework="Megatron (megatron-core)",
+        expect="resumes bitwise from memory: TP 2 x DP 2 on TP 2 x DP 1, each new rank receiving only what it "
+               "needs")),
     # Without DP sharding each old rank holds its whole state: a new rank needs its own.
     # Nodes 2 and 3 (DP replica 1, which no new rank takes) lost: more than m=1, yet
     # nothing the relaunch loads is lost, so nothing is rebuilt.
-    ([2, 3], "off", [1, 1], [])], ids=["a node lost", "shrunk", "a replica's nodes lost, no DP sharding"])
+    pytest.param([2, 3], "off", [1, 1], [], id="a replica's nodes lost, no DP sharding", marks=pytest.mark.fault(
+        "more nodes lost than parity", phase="during an elastic adoption", framework="Megatron (megatron-core)",
+        expect="resumes bitwise from memory: the lost replica is one no new rank takes, so nothing is rebuilt")),
+])
 def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatron_loads_its_files(
         lost, dp_shard, received, rebuilt, shm_dir, tmp_path):
     """TP 2 x DP 2 on 4 virtual nodes (k=3, m=1) stops after iteration 3 and is killed;
@@ -112,6 +125,9 @@ def test_a_relaunch_on_fewer_nodes_resumes_from_the_old_world_s_memory_as_megatr
     assert old not in jobs.list_jobs(shm_dir)
 
 
+@pytest.mark.fault("every rank SIGKILLed", phase="during an elastic adoption", framework="Megatron (megatron-core)",
+                   expect="resumes bitwise from memory: the relaunch's iteration 5, its memory freed once the job "
+                          "protects its own")
 def test_the_first_command_run_again_resumes_the_newest_state_its_relaunch_saved(shm_dir, tmp_path):
     """The rerun sequence of DeepSpeed's test_a_rerun_into_the_same_save_dir_... with Megatron.
     TP 2 x DP 2 on 4 virtual nodes stops after iteration 3 and is killed; the relaunch on 2
@@ -146,6 +162,10 @@ def test_the_first_command_run_again_resumes_the_newest_state_its_relaunch_saved
     assert jobs.list_jobs(shm_dir) in ([], [first])  # the end frees the first job's memory once Megatron saved
 
 
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="during an elastic adoption",
+                   framework="Megatron (megatron-core)",
+                   expect="resumes bitwise from memory: DP 4 to DP 2, rank 1 rebuilt; a TP change is refused with the "
+                          "reason")
 def test_a_relaunch_at_another_dp_size_with_the_distributed_optimizer_joins_its_split_state_as_megatron_loads_it(
         shm_dir, tmp_path):
     """DP 4 -> DP 2 with the distributed optimizer, whose state each DP rank holds a range
@@ -191,6 +211,10 @@ def test_a_relaunch_at_another_dp_size_with_the_distributed_optimizer_joins_its_
     assert old not in jobs.list_jobs(shm_dir)
 
 
+@pytest.mark.fault("restart under another parallel layout or model", phase="startup",
+                   framework="Megatron (megatron-core)",
+                   expect="refuses with a reason: LayoutMismatch naming tp_size 2 -> 1; the disk checkpoint only where "
+                          "allowed")
 def test_restore_under_another_layout_is_refused_unless_disk_fallback_is_allowed(shm_dir, tmp_path):
     """Memory holds TP=2 snapshots; the job comes back as DP=2. It stops with the
     mismatch named, and loads its persistent checkpoint only when allowed to."""
@@ -225,6 +249,10 @@ def test_restore_under_another_layout_is_refused_unless_disk_fallback_is_allowed
     assert jobs.list_jobs(shm_dir) == []
 
 
+@pytest.mark.fault("restart under another parallel layout or model", phase="startup",
+                   framework="Megatron (megatron-core)",
+                   expect="resumes bitwise from disk: the snapshot lacks the untied output layer, the allowed fallback "
+                          "trains as Megatron")
 def test_a_load_that_builds_its_template_then_refuses_memory_trains_as_megatron_from_its_disk_checkpoint(
         shm_dir, tmp_path):
     """Memory holds iteration 3 of a TP 2 GPT with tied embeddings; the job comes back with
@@ -257,6 +285,9 @@ def test_a_load_that_builds_its_template_then_refuses_memory_trains_as_megatron_
     assert resumed["digests"] == ref["digests"]
 
 
+@pytest.mark.fault("restart under another EC geometry", phase="startup", framework="Megatron (megatron-core)",
+                   expect="refuses with a reason: naming both geometries, memory kept; the right flags then resume "
+                          "bitwise")
 def test_a_restart_under_another_ec_geometry_is_refused_and_loses_nothing(shm_dir, tmp_path):
     """A node lost, and the job relaunched with other --ftmem-ec-k/m: the lost node's data
     can be rebuilt only under the geometry its parity was written with. That was taken
@@ -293,6 +324,9 @@ def test_a_restart_under_another_ec_geometry_is_refused_and_loses_nothing(shm_di
     assert resumed["digests"] == ref["digests"]
 
 
+@pytest.mark.fault("more nodes lost than parity", phase="between saves", framework="Megatron (megatron-core)",
+                   expect="refuses with a reason: NotRecoverableFromMemory naming the lost nodes and ftmem clean; "
+                          "memory kept")
 def test_more_than_m_nodes_lost_with_no_disk_checkpoint_is_refused_not_restarted_from_scratch(shm_dir, tmp_path):
     """TP 2 x DP 2 on 4 virtual nodes, k=3 m=1, no persistent checkpoint yet: two nodes
     lost. Memory cannot serve and --load holds nothing, so the job started from scratch,
@@ -355,6 +389,8 @@ def test_bad_flags_stop_the_driver_before_training(drop, add, message, shm_dir, 
     (["--finetune"], STOP, "without its optimizer and scheduler, RNG, iteration"),
     (["--ckpt-step", str(STOP - 1)], STOP - 1, ""),
 ], ids=["no-load-rng", "no-load-optim", "finetune", "ckpt-step"])
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="between saves", framework="Megatron (megatron-core)",
+                   expect="resumes bitwise from memory: as Megatron's own load with the same flag, node 1 rebuilt")
 def test_megatron_s_load_flags_shape_a_load_from_memory_as_one_from_disk(flags, restored, detail, shm_dir, tmp_path):
     """Megatron-LM's load flags say what a load puts back. ftmem ignored them: a restore
     from memory put back the optimizer, the RNG and the iteration whatever they said, and
@@ -381,6 +417,8 @@ def test_megatron_s_load_flags_shape_a_load_from_memory_as_one_from_disk(flags, 
     assert resumed["losses"] == ref["losses"] and resumed["digests"] == ref["digests"]
 
 
+@pytest.mark.fault("SIGTERM to the whole job (preemption)", phase="between saves", framework="Megatron (megatron-core)",
+                   expect="resumes bitwise from disk: iteration 5, flushed at SIGTERM, two nodes of the group lost")
 def test_a_preempted_job_resumes_from_the_checkpoint_written_from_memory_at_sigterm(shm_dir, tmp_path):
     """TP 2 x DP 2 on 4 virtual nodes, one EC group with m=1. Megatron's persistent saves
     (every 3 iterations) are snapshots flushed to --save in the background, in

@@ -189,6 +189,9 @@ def _train_paused_and_lose(job: MegatronLMJob, tmp_path, lost: list[int]) -> Non
 @pytest.mark.parametrize("route, layout", [("installer", "tp2-dp2"), ("patch", "tp2-dp2"),
                                            ("installer", "pp2-dp2"),
                                            ("installer", "tp2-dp2-distributed-optimizer")])
+@pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="after the commit, before parity",
+                   framework="Megatron-LM's own loop",
+                   expect="resumes bitwise from memory: iteration 4, the newest protected, node 2 rebuilt from parity")
 def test_a_node_lost_mid_run_resumes_from_memory_bitwise(route, layout, shm_dir, tmp_path):
     """TP 2 x DP 2 (and PP 2 x DP 2, and with the distributed optimizer) on 4 virtual nodes,
     k=3 m=1, an in-memory save every iteration: the job stops with version 5 committed on
@@ -211,6 +214,9 @@ def test_a_node_lost_mid_run_resumes_from_memory_bitwise(route, layout, shm_dir,
     assert_same_final_state(job.ckpt, ref.ckpt)
 
 
+@pytest.mark.fault("more nodes lost than parity", phase="after the commit, before parity",
+                   framework="Megatron-LM's own loop",
+                   expect="resumes bitwise from disk: iteration 4, the checkpoint ftmem wrote from memory")
 def test_more_than_m_lost_nodes_fall_back_to_the_checkpoint_written_from_memory(shm_dir, tmp_path):
     """With --save-interval 4, ftmem writes Megatron's persistent checkpoint of iteration 4
     from memory. Two of the four nodes lost (m=1): memory cannot serve, the relaunch logs the
@@ -237,6 +243,9 @@ def test_more_than_m_lost_nodes_fall_back_to_the_checkpoint_written_from_memory(
     assert_same_final_state(stock.ckpt, ref.ckpt)
 
 
+@pytest.mark.fault("more nodes lost than parity", phase="after the commit, before parity",
+                   framework="Megatron-LM's own loop",
+                   expect="refuses with a reason: naming --pretrained-checkpoint, never a start over; nothing dropped")
 def test_a_start_over_from_the_pretrained_checkpoint_is_refused_where_memory_held_the_job(shm_dir, tmp_path):
     """A finetuning job (--pretrained-checkpoint) saving in memory; two nodes lost, nothing in
     --load: Megatron-LM would load the pretrained checkpoint and start over at iteration 0.
