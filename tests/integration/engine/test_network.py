@@ -5,11 +5,11 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 
 from harness.common import REPO, job_id
+from harness.netns import ip, two_hosts
 
 # The two networks between the nodes: each interface is named alike on both, as on a cluster.
 TRAINING, FTMEM = "train", "ftnet"
@@ -19,45 +19,11 @@ TRAINING_BYTES = 1 << 20  # the training's all-reduce: it crosses the training's
 TIMEOUT = 60
 
 
-def ip(*args: str) -> str:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if done.returncode:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-    return done.stdout
-
-
 @pytest.fixture
 def two_nodes():
-    """Two network namespaces, the job's nodes, joined by a veth pair per network (lo up in
-    each, for a node's traffic to itself). Removed at the end, whatever happened."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    tag = uuid.uuid4().hex[:8]
-    nodes = [f"ftmem-test-{tag}-node{n}" for n in range(2)]
-    made = []
-    try:
-        for node in nodes:
-            try:
-                ip("netns", "add", node)
-            except (RuntimeError, FileNotFoundError) as e:
-                pytest.skip(f"no network namespaces here ({e})")
-            made.append(node)
-        for name, subnet in SUBNETS.items():
-            ip("link", "add", name, "netns", nodes[0], "type", "veth", "peer", "name", name, "netns", nodes[1])
-            for n, node in enumerate(nodes):
-                ip("-n", node, "addr", "add", f"{subnet}.{n + 1}/24", "dev", name)
-                ip("-n", node, "link", "set", name, "up")
-        for node in nodes:
-            ip("-n", node, "link", "set", "lo", "up")
-        yield nodes
-    finally:
-        if made:
-            # Deleting one end of a pair deletes both; a namespace outlives its name while a
-            # process (an SMP the shm_dir fixture stops) is still in it, its pairs must not.
-            for name in SUBNETS:
-                subprocess.run(["ip", "-n", made[0], "link", "delete", name], capture_output=True, timeout=30)
-        for node in made:
-            subprocess.run(["ip", "netns", "delete", node], capture_output=True, timeout=30)
+    """Two network namespaces, the job's nodes, joined by a veth pair per network."""
+    with two_hosts(SUBNETS) as hosts:
+        yield hosts.names
 
 
 def sent(nodes, interface: str) -> int:
