@@ -8,8 +8,9 @@ import signal
 
 import pytest
 
-from ftmem import restored_from_memory
-from harness.common import logged
+from ftmem import restored_from_disk, restored_from_memory
+from ftmem._shm import jobs
+from harness.common import ANY, logged
 from harness.ds_jobs import ITERS, STOP, TIMEOUT, DSJob, reference
 from harness.machine_faults import slow_calls
 from harness.toy import assert_same_training
@@ -58,3 +59,41 @@ def test_a_rank_killed_during_the_preemption_flush_leaves_the_disk_as_it_was_and
     for rank in range(WORLD):
         assert logged(restored_from_memory(newest, rank, f"tag global_step{newest}"), job.log(rank)), job.log(rank)
     assert_same_training(job.out, ref, WORLD, ITERS)
+
+
+@pytest.mark.fault("node lost while the job restores from another node's loss", phase="during a restore",
+                   framework="DeepSpeed ZeRO-1",
+                   expect="resumes bitwise from disk: the restore's survivors end, and with two nodes of k=2, m=1 "
+                          "lost the relaunch takes the newest checkpoint on disk, saying why")
+def test_a_second_node_lost_during_the_restore_from_the_first_falls_back_to_the_disk(shm_dir, tmp_path, fault_clock):
+    """k=2, m=1 over 3 nodes, a flush every 3rd version. Node 0 is lost; its relaunch agrees on
+    version STOP+1 (node 0 to be rebuilt from parity), and node 2 is lost there, its rank held
+    before anything is read: the other ranks end (their restore's collective broke) within the
+    failure detector's timeout, and the next relaunch, with two nodes lost, finds memory unable
+    to serve and resumes from global_step3 on disk, bitwise as DeepSpeed's default engine."""
+    world = 3
+    ref = reference("zero1.json", world, str(tmp_path / "reference"))
+    persist = str(tmp_path / "persist")
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    job = DSJob("zero1.json", world, shm_dir, str(tmp_path / "run"), ftmem={"persist": {"dir": persist, "interval": 3}})
+    with job.start("--stop-after", str(STOP)) as run:
+        run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(world)), TIMEOUT, f"step {STOP}")
+        run.kill_all()
+    jobs.lose_node(shm_dir, job.job, 0)
+    held = {2: {"FTMEM_TEST_HOOK": f"mid_restore:hold:rank=2:version={STOP + 1}", "FTMEM_TEST_HOOK_DIR": str(hooks)}}
+    with job.start("--load", rank_env=held) as run:
+        run.wait_for(lambda: (hooks / f"paused.rank2.v{STOP + 1}").exists(), TIMEOUT, "the restore to agree")
+        run.procs[2].kill()
+        jobs.lose_node(shm_dir, job.job, 2)
+        fault_clock.injected()
+        codes = run.wait(TIMEOUT)
+        fault_clock.detected()
+    assert codes[2] == -signal.SIGKILL and all(code not in (0, None) for code in codes[:2]), run.tails()
+    assert latest(persist) == "global_step3"
+    assert job.run("--load") == [0] * world, job.log(0)[-5000:]
+    fault_clock.stepped()
+    for rank in range(world):
+        assert logged(restored_from_disk(3, f"{persist}/global_step3", rank, ANY), job.log(rank)), job.log(rank)
+    assert "EC group of nodes [0, 1, 2] (k=2, m=1) lacks node(s) [0, 2]" in job.log(0), job.log(0)[-3000:]
+    assert_same_training(job.out, ref, world, ITERS)
