@@ -1,6 +1,7 @@
 """Faults of the machine under a job, injected for real: a file system mounted for a test (a
-tmpfs of a given size, later read-only) and system calls made slow in running processes
-(``strace``'s delay injection: the kernel's call waits, the process sees a slow disk)."""
+tmpfs of a given size, later read-only), system calls made slow in running processes
+(``strace``'s delay injection: the kernel's call waits, the process sees a slow disk), and
+the machine's wall clock stepped (as an NTP correction or an operator's ``date -s`` does)."""
 import contextlib
 import os
 import subprocess
@@ -63,3 +64,22 @@ def traced(pid: int) -> bool:
         except FileNotFoundError:  # a thread that ended meanwhile
             continue
     return True
+
+
+class WallClock:
+    """The machine's wall clock (CLOCK_REALTIME), stepped by :meth:`step`; every process on the
+    machine sees each step, as they would an NTP correction."""
+
+    def step(self, seconds: float) -> None:
+        time.clock_settime(time.CLOCK_REALTIME, time.clock_gettime(time.CLOCK_REALTIME) + seconds)
+
+
+@contextlib.contextmanager
+def stepped_clock() -> Iterator[WallClock]:
+    """A :class:`WallClock` to step during the block; after it the clock reads what it would
+    have read unstepped (the monotonic clock measured the time that passed)."""
+    offset = time.clock_gettime(time.CLOCK_REALTIME) - time.monotonic()
+    try:
+        yield WallClock()
+    finally:
+        time.clock_settime(time.CLOCK_REALTIME, time.monotonic() + offset)
