@@ -2,8 +2,9 @@
 
 The SMP grows the slots when a rank asks (its first save, or a bigger state), after
 checking that the shared-memory filesystem can hold them, and reserves the pages at
-once: a filesystem that is too small fails at the first save with the numbers, not
-with SIGBUS in the middle of training.
+once: a filesystem that is too small, or a memory limit (a container's) that leaves too
+little room, fails at the first save with the numbers, not with SIGBUS or the OOM killer in
+the middle of training (:mod:`ftmem._shm.memory_limit`).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 from typing import Optional
 
 from ftmem.errors import ShmBudgetError
+from ftmem._shm import memory_limit
 from ftmem._shm.private import open_private
 from ftmem.config import SLOT_CHOICES
 from ftmem._shm.slots import DATA, PARITY, RankStore
@@ -45,6 +47,18 @@ def allocate(store: RankStore, nbytes: int, parity_nbytes: int, node_ranks: int 
     )
     if needed > free:
         raise ShmBudgetError(message)
+    room = memory_limit.tightest()
+    if room is not None and needed > room.free:
+        raise ShmBudgetError(
+            f"shared memory counts against the memory limit of {room.cgroup} ({room.limit_file}: "
+            f"{fmt_bytes(room.limit)}, of which {fmt_bytes(room.working_set)} in use), and rank {store.rank} needs "
+            f"{fmt_bytes(needed)} more ({store.slots(DATA)} versions x {fmt_bytes(nbytes)} data + "
+            f"{store.slots(PARITY)} x {fmt_bytes(parity_nbytes)} parity) than the {fmt_bytes(room.free)} it leaves: "
+            f"the kernel would kill a process of the job for it. Raise the memory limit (a Kubernetes container's "
+            f"resources.limits.memory, docker run --memory, Slurm's --mem) by at least "
+            f"{fmt_bytes(needed - room.free)} for this rank (each rank of the node reserves its own)"
+            + (", or keep two versions (\"slots\": 2, --ftmem-slots 2)." if store.slots(DATA) > 2 else ".")
+            + " Nothing held in memory was changed.")
     for kind, size in ((DATA, nbytes), (PARITY, parity_nbytes)):
         if not growth[kind]:
             continue

@@ -1,12 +1,16 @@
 """Faults of the machine under a job, injected for real: a file system mounted for a test (a
 tmpfs of a given size, later read-only), system calls made slow in running processes
-(``strace``'s delay injection: the kernel's call waits, the process sees a slow disk), and
-the machine's wall clock stepped (as an NTP correction or an operator's ``date -s`` does)."""
+(``strace``'s delay injection: the kernel's call waits, the process sees a slow disk), the
+machine's wall clock stepped (as an NTP correction or an operator's ``date -s`` does), and a
+memory cgroup with a limit (a container's), whose OOM killer is the kernel's own."""
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from typing import Iterator, Sequence
+
+import pytest
 
 
 @contextlib.contextmanager
@@ -83,3 +87,53 @@ def stepped_clock() -> Iterator[WallClock]:
         yield WallClock()
     finally:
         time.clock_settime(time.CLOCK_REALTIME, time.monotonic() + offset)
+
+
+class MemoryCgroup:
+    """A memory cgroup (v1) under this process's own: processes join it with :attr:`wrapper`,
+    its limit is set with :meth:`limit`, and the kernel's OOM kills in it are counted."""
+
+    def __init__(self, path: str):
+        self.path = path
+        # A command that runs the command after it inside the cgroup.
+        self.wrapper = ("sh", "-c", f'echo $$ > {path}/cgroup.procs && exec "$@"', "sh")
+
+    def read(self, name: str) -> str:
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+    def limit(self, nbytes: int) -> None:
+        with open(os.path.join(self.path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(nbytes))
+
+    def usage(self) -> int:
+        return int(self.read("memory.usage_in_bytes"))
+
+    def oom_kills(self) -> int:
+        return int(dict(line.split() for line in self.read("memory.oom_control").splitlines())["oom_kill"])
+
+    def pids(self) -> list[int]:
+        return [int(pid) for pid in self.read("cgroup.procs").split()]
+
+
+@contextlib.contextmanager
+def memory_cgroup() -> Iterator[MemoryCgroup]:
+    """A :class:`MemoryCgroup` for the block; whatever runs in it at the end is SIGKILLed, and
+    it is removed."""
+    own = next((line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup") if ":memory:" in line), None)
+    if own is None or not os.path.isdir("/sys/fs/cgroup/memory"):
+        pytest.skip("no cgroup v1 memory controller here")
+    path = f"/sys/fs/cgroup/memory{own.rstrip('/')}/ftmem-test-{os.getpid()}-{time.monotonic_ns()}"
+    os.mkdir(path)
+    group = MemoryCgroup(path)
+    try:
+        yield group
+    finally:
+        deadline = time.monotonic() + 30
+        while group.pids():
+            for pid in group.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            assert time.monotonic() < deadline, f"processes of {path} outlived SIGKILL: {group.pids()}"
+            time.sleep(0.05)
+        os.rmdir(path)
