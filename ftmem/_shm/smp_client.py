@@ -103,6 +103,17 @@ def _reap() -> None:
             _spawned.remove(p)
 
 
+def _how_it_ended(pid: int) -> str:
+    """How the SMP ``pid`` ended, in words: its exit status where this process started it."""
+    proc = next((p for p in _spawned if p.pid == pid), None)
+    code = None if proc is None else proc.poll()
+    if code is None:
+        return "it was not started by this process: `dmesg` says whether the kernel's OOM killer ended it"
+    if code == -signal.SIGKILL:
+        return "killed by SIGKILL, as the kernel's OOM killer kills: see `dmesg` and the node's memory limit"
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
 def _log_tail(node_dir: str, lines: int = 15) -> str:
     try:
         text = read_private(os.path.join(node_dir, LOG_FILE)).decode(errors="replace")
@@ -309,6 +320,10 @@ class SmpClient:
                             f"lost the SMP of {self.node_dir} twice during {msg[0]!r} ({e}). "
                             f"Its log:\n{_log_tail(self.node_dir)}"
                         ) from e
+                    if self._pid is not None and not pid_alive(self._pid):
+                        log.warning("the SMP of %s (pid %d) is gone (%s) during %r: starting another, which finds "
+                                    "every snapshot in shared memory", self.node_dir, self._pid,
+                                    _how_it_ended(self._pid), msg[0])
         if reply[0] == "err":
             kind = getattr(errors, str(reply[1]), None)
             known = isinstance(kind, type) and issubclass(kind, errors.FtmemError)

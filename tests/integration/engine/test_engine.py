@@ -316,7 +316,7 @@ def test_too_small_shared_memory_fails_at_the_first_save_with_the_numbers(small_
 
 @pytest.mark.fault("SMP SIGKILLed", phase="between saves", framework="engine (toy trainer)",
                    expect="goes on: the next request starts a new SMP, and no version is lost")
-def test_a_killed_smp_is_restarted_transparently_and_loses_no_version(shm_dir):
+def test_a_killed_smp_is_restarted_transparently_and_loses_no_version(shm_dir, ftmem_log):
     engine = make_engine(shm_dir)
     node_dir = engine.identity.node_dir
     engine.save({"w": torch.full((1000,), 1.0)}, 1).wait_protected()
@@ -329,6 +329,9 @@ def test_a_killed_smp_is_restarted_transparently_and_loses_no_version(shm_dir):
     engine.save({"w": torch.full((100_000,), 2.0)}, 2).wait_protected()
     second = running_smp(node_dir)
     assert second is not None and second != first
+    assert (f"the SMP of {node_dir} (pid {first}) is gone (killed by SIGKILL, as the kernel's OOM killer kills: see "
+            f"`dmesg` and the node's memory limit) during 'alloc': starting another, which finds every snapshot in "
+            f"shared memory") in ftmem_log.text(), ftmem_log.text()
     assert engine.versions() == [1, 2]
     assert engine.restore(version=1).state["w"][0] == 1.0
     engine.close(job_finished=True)
