@@ -1,6 +1,6 @@
-"""A network partition between a job's hosts, injected for real: DeepSpeed's ranks in two
-network namespaces joined by a veth pair, whose link is cut (not a process killed) for less
-and for more than the failure detector's timeout, then healed."""
+"""A network partition between a job's hosts, injected for real: DeepSpeed's and Megatron's
+ranks in two network namespaces joined by a veth pair, whose link is cut (not a process
+killed) for less and for more than the failure detector's timeout, then healed."""
 import re
 import time
 
@@ -8,7 +8,8 @@ import pytest
 
 from ftmem import restored_from_memory
 from ftmem._engine.failure_detector import EXIT_CODE
-from harness.common import logged
+from harness import megatron_jobs
+from harness.common import logged, read_json
 from harness.ds_jobs import ITERS, TIMEOUT, DSJob, reference
 from harness.netns import two_hosts
 from harness.toy import assert_same_training
@@ -84,3 +85,38 @@ def test_a_partition_longer_than_the_detector_s_timeout_ends_every_rank_and_the_
     for rank in range(WORLD):
         assert logged(restored_from_memory(newest, rank, f"tag global_step{newest}"), job.log(rank)), job.log(rank)
     assert_same_training(job.out, ref, WORLD, ITERS)
+
+
+@pytest.mark.fault("network partition between hosts", phase="during the copy", framework="Megatron (megatron-core)",
+                   expect="ends every rank within the detector's timeout and a few seconds, each naming what it "
+                          "lost; once healed, the relaunch resumes bitwise from memory")
+def test_a_partition_longer_than_the_detector_s_timeout_ends_every_megatron_rank_and_the_healed_job_resumes(
+        shm_dir, tmp_path, fault_clock):
+    """As above, for megatron-core's DP 2 on two hosts: each side ends within 3 timeouts naming
+    what it lost, and the healed relaunch resumes from memory with the losses and final state of
+    Megatron's own uninterrupted run."""
+    ref = megatron_jobs.reference(WORLD, [], str(tmp_path / "reference"))
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    job = megatron_jobs.MegatronJob(WORLD, [], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m",
+                                                "1", "--ftmem-failure-detection-timeout-s", str(DETECT_S)],
+                                    shm_dir, str(tmp_path / "run"))
+    with two_hosts({NETWORK: "198.18.4"}) as hosts:
+        launcher = hosts.launcher(NETWORK)
+        with job.start(rank_env=held(hooks), launcher=launcher) as run:
+            run.wait_for(lambda: (hooks / "paused.rank0.v3").exists(), megatron_jobs.TIMEOUT, "the copy of iteration 3")
+            with hosts.partitioned():
+                fault_clock.injected()
+                assert run.wait(3 * DETECT_S) == [EXIT_CODE] * WORLD, run.tails()
+                fault_clock.detected()
+        assert re.search(r"ftmem: rank 0: node 1 \(host \S+, rank 1\) has not answered for \d+ s", job.log(0)), \
+            job.log(0)[-3000:]
+        job.run(str(tmp_path / "resumed.json"), launcher=launcher)
+        fault_clock.stepped()
+    newest = int(re.search(r"ftmem: restored iteration (\d+) from memory", job.log(0)).group(1))
+    assert newest >= 2
+    for rank in range(WORLD):
+        assert logged(restored_from_memory(newest, rank), job.log(rank)), job.log(rank)[-3000:]
+    resumed = read_json(str(tmp_path / "resumed.json"))
+    assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(newest + 1, megatron_jobs.ITERS + 1)}
+    assert resumed["digests"] == ref["digests"]

@@ -1,4 +1,4 @@
-"""Faults of the job's store, injected for real under DeepSpeed jobs: the store served by a
+"""Faults of the job's store, injected for real under DeepSpeed and Megatron jobs: the store served by a
 process of its own, as torchrun's agent serves it (TORCHELASTIC_USE_AGENT_STORE), stopped
 (SIGSTOP: its host hung) for less and for more than the failure detector's timeout."""
 import contextlib
@@ -15,7 +15,8 @@ import pytest
 from examples.launch import free_port
 from ftmem import restored_from_memory
 from ftmem._engine.failure_detector import EXIT_CODE
-from harness.common import logged
+from harness import megatron_jobs
+from harness.common import logged, read_json
 from harness.ds_jobs import ITERS, TIMEOUT, DSJob, reference
 from harness.ranks import REPO
 from harness.toy import assert_same_training
@@ -130,3 +131,39 @@ def test_a_store_stalled_for_longer_than_the_detector_s_timeout_ends_every_rank_
     for rank in range(WORLD):
         assert logged(restored_from_memory(newest, rank, f"tag global_step{newest}"), job.log(rank)), job.log(rank)
     assert_same_training(job.out, ref, WORLD, ITERS)
+
+
+@pytest.mark.fault("job's store stalled (its host hung)", phase="during the copy", framework="Megatron (megatron-core)",
+                   expect="ends every rank within the detector's timeout and a few seconds, naming the store; the "
+                          "relaunch resumes bitwise from memory")
+def test_a_store_stalled_for_longer_than_the_detector_s_timeout_ends_every_megatron_rank_naming_it(
+        shm_dir, tmp_path, fault_clock):
+    """As above, for megatron-core's DP 2: every rank ends within 3 timeouts saying the store did
+    not answer, and the relaunch on a new store resumes from memory with the losses and final
+    state of Megatron's own uninterrupted run."""
+    ref = megatron_jobs.reference(WORLD, [], str(tmp_path / "reference"))
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    job = megatron_jobs.MegatronJob(WORLD, [], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m",
+                                                "1", "--ftmem-failure-detection-timeout-s", str(DETECT_S)],
+                                    shm_dir, str(tmp_path / "run"))
+    with AgentStore() as store:
+        with job.start(env=store.env(), rank_env=held(hooks)) as run:
+            run.wait_for(lambda: (hooks / "paused.rank0.v3").exists(), megatron_jobs.TIMEOUT, "the copy of iteration 3")
+            with store.stopped():
+                fault_clock.injected()
+                assert run.wait(3 * DETECT_S) == [EXIT_CODE] * WORLD, run.tails()
+                fault_clock.detected()
+    for rank in range(WORLD):
+        assert re.search(rf"rank {rank}: the job's store \(127\.0\.0\.1:{store.port}\) has not answered for "
+                         rf"{DETECT_S} s", job.log(rank)), job.log(rank)[-3000:]
+    with AgentStore() as relaunched:
+        job.run(str(tmp_path / "resumed.json"), env=relaunched.env())
+        fault_clock.stepped()
+    newest = int(re.search(r"ftmem: restored iteration (\d+) from memory", job.log(0)).group(1))
+    assert newest >= 2
+    for rank in range(WORLD):
+        assert logged(restored_from_memory(newest, rank), job.log(rank)), job.log(rank)[-3000:]
+    resumed = read_json(str(tmp_path / "resumed.json"))
+    assert resumed["losses"] == {str(i): ref["losses"][str(i)] for i in range(newest + 1, megatron_jobs.ITERS + 1)}
+    assert resumed["digests"] == ref["digests"]

@@ -32,11 +32,13 @@ class MegatronJob:
             self.args += ["--non-persistent-ckpt-type", "in_memory", "--non-persistent-save-interval", "1",
                           "--ftmem-shm-dir", shm_dir, *ftmem]
 
-    def start(self, *extra) -> LocalJob:
-        return LocalJob("examples.megatron.pretrain_gpt", self.args + list(extra), self.world, self.job, self.logs)
+    def start(self, *extra, env=None, rank_env=None, launcher=LocalJob) -> LocalJob:
+        """The job's ranks, started by ``launcher`` (a LocalJob, or one of its subclasses)."""
+        return launcher("examples.megatron.pretrain_gpt", self.args + list(extra), self.world, self.job, self.logs,
+                        env=env, rank_env=rank_env)
 
-    def run(self, out: str, *extra) -> None:
-        codes = self.start("--out", out, *extra).wait(TIMEOUT)
+    def run(self, out: str, *extra, env=None, launcher=LocalJob) -> None:
+        codes = self.start("--out", out, *extra, env=env, launcher=launcher).wait(TIMEOUT)
         assert codes == [0] * self.world, "\n".join(self.log(r)[-3000:] for r in range(self.world))
 
     def log(self, rank) -> str:
