@@ -127,3 +127,29 @@ def test_a_preemption_flush_slower_than_the_grace_ends_with_it_and_the_older_che
     for rank in range(WORLD):
         assert logged(restored_from_disk(3, f"{persist}/global_step3", rank, ANY), job.log(rank)), job.log(rank)
     assert_same_training(job.out, ref, WORLD, ITERS)
+
+
+@pytest.mark.fault("persistent tier's disk full", phase="during a flush", framework="DeepSpeed ZeRO-3",
+                   expect="goes on: a flush that finds the disk full is named with the space it needs, leaves no "
+                          "partial checkpoint, the newest whole one stays named, and training is bitwise as without "
+                          "ftmem")
+def test_a_full_disk_fails_the_flushes_by_name_and_never_the_training(shm_dir, tmp_path):
+    """The persistent tier is a tmpfs of 2 MiB: the first flush fits, later ones do not (the
+    older checkpoint goes only once a newer one is whole). Each failed flush says what it needed
+    and what was free; no half-written checkpoint is named, the saves into memory never wait,
+    and the job trains to its end bitwise as DeepSpeed's default engine."""
+    ref = reference("zero3.json", WORLD, str(tmp_path / "reference"))
+    with tmpfs(str(tmp_path / "disk"), "2m") as persist:
+        job = DSJob("zero3.json", WORLD, shm_dir, str(tmp_path / "run"),
+                    ftmem={**MIRRORED, "persist": {"dir": persist, "interval": 1, "keep": 1}})
+        assert job.run() == [0] * WORLD, job.log(0)[-4000:]
+        failed = re.findall(r"version (\d+) was not flushed \(rank \d: No space left on device \(ENOSPC\) writing "
+                            rf"{re.escape(persist)}/\.global_step\d+\.tmp/\S+: this rank's files need about [\d.]+ MiB, "
+                            r"and [\d.]+ MiB is free there\); global_step1 stays the newest on disk", job.log(0))
+        assert str(ITERS) in failed, job.log(0)[-4000:]
+        assert latest(persist) == "global_step1"
+        assert not [name for name in os.listdir(persist) if name.startswith(".")], os.listdir(persist)
+        # The newest version is not on disk: the job's end keeps it in memory, and says why.
+        assert re.search(rf"keeps its newest version \({ITERS}\) in shared memory \(rank \d: the persistent tier "
+                         rf"could not write version {ITERS}", job.log(0)), job.log(0)[-3000:]
+    assert_same_training(job.out, ref, WORLD, ITERS)
