@@ -29,40 +29,42 @@ def latest(persist: str) -> str:
                           "raises, the older checkpoint stays the newest on disk")
 def test_a_disk_that_turns_read_only_mid_flush_loses_nothing_and_the_job_resumes_from_memory(
         shm_dir, tmp_path, fault_clock):
-    """Every version is due a flush. The flush of version 3 is held once a file of it is written,
-    on both ranks, and the disk is remounted read-only under it: that flush fails, named, while
-    training goes on (the flushes due meanwhile are skipped), and the script's wait for the
-    flushes at its stop raises the failure; the disk keeps the checkpoint it named newest before
-    (global_step2, or global_step1 where version 2 came while version 1's flush ran) whole.
-    Relaunched once the disk takes writes again, the job resumes from memory, bitwise."""
+    """Every version is due a flush. The first flush of a version V >= 3 (one due while another
+    runs is skipped) is held once a file of it is written, on both ranks, and the disk is
+    remounted read-only under it: that flush fails, named, while training goes on (the flushes
+    due meanwhile are skipped), and the script's wait for the flushes at its stop raises the
+    failure; the disk keeps the checkpoint it named newest before whole. Relaunched once the
+    disk takes writes again, the job resumes from memory, bitwise."""
     ref = reference("zero1.json", WORLD, str(tmp_path / "reference"))
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     with tmpfs(str(tmp_path / "disk"), "256m") as persist:
         job = DSJob("zero1.json", WORLD, shm_dir, str(tmp_path / "run"),
                     ftmem={**MIRRORED, "persist": {"dir": persist, "interval": 1}})
-        hold = {r: {"FTMEM_TEST_HOOK": f"mid_flush:hold:rank={r}:version=3", "FTMEM_TEST_HOOK_DIR": str(hooks)}
+        hold = {r: {"FTMEM_TEST_HOOK": f"mid_flush:hold:rank={r}:version=3+", "FTMEM_TEST_HOOK_DIR": str(hooks)}
                 for r in range(WORLD)}
         with job.start("--stop-after", str(STOP + 1), rank_env=hold) as run:
-            run.wait_for(lambda: all((hooks / f"paused.rank{r}.v3").exists() for r in range(WORLD)), TIMEOUT,
-                         "the flush of version 3 to be halfway")
-            # One flush runs at a time: version 2's ended, or was skipped while version 1's ran.
-            before = latest(persist)
-            assert before in ("global_step1", "global_step2")
+            run.wait_for(lambda: all(list(hooks.glob(f"paused.rank{r}.v*")) for r in range(WORLD)), TIMEOUT,
+                         "a flush of version 3 or later to be halfway")
+            held = {int(path.name.rsplit(".v", 1)[1]) for path in hooks.glob("paused.rank*.v*")}
+            assert len(held) == 1, held  # every rank flushes the same versions
+            version = held.pop()
+            before = latest(persist)  # one flush runs at a time: the older ones ended
             remount(persist, "ro")
             fault_clock.injected()
             for r in range(WORLD):
-                (hooks / f"resume.rank{r}.v3").touch()
+                (hooks / f"resume.rank{r}.v{version}").touch()
             assert run.wait(TIMEOUT) == [1] * WORLD, run.tails()  # the script's wait_flushed raised
             fault_clock.detected()
-        for rank in range(WORLD):
-            assert re.search(r"FtmemError: the persistent tier could not write version 3 to "
-                             rf"{re.escape(persist)} \(rank \d: Read-only file system \(EROFS\) writing "
-                             rf"{re.escape(persist)}/\.global_step3\.tmp/", job.log(rank)), job.log(rank)[-3000:]
-        assert re.search(r"version 3 was not flushed \(rank \d: Read-only file system \(EROFS\) writing "
+        for rank in range(WORLD):  # the newest flush that failed: version's, or one due after it
+            raised = re.search(r"FtmemError: the persistent tier could not write version (\d+) to "
+                               rf"{re.escape(persist)} \(rank \d: Read-only file system \(EROFS\) writing "
+                               rf"{re.escape(persist)}/\.global_step\d+\.tmp", job.log(rank))
+            assert raised and int(raised.group(1)) >= version, job.log(rank)[-3000:]
+        assert re.search(rf"version {version} was not flushed \(rank \d: Read-only file system \(EROFS\) writing "
                          rf"{re.escape(persist)}/\S+\); {before} stays the newest on disk", job.log(0)), \
             job.log(0)[-4000:]
-        assert latest(persist) == before and "global_step3" not in os.listdir(persist)
+        assert latest(persist) == before and f"global_step{version}" not in os.listdir(persist)
         remount(persist, "rw")
         assert job.run("--load") == [0] * WORLD, job.log(0)[-4000:]
         fault_clock.stepped()
