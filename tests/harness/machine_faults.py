@@ -4,6 +4,7 @@ tmpfs of a given size, later read-only), system calls made slow in running proce
 machine's wall clock stepped (as an NTP correction or an operator's ``date -s`` does), and a
 memory cgroup with a limit (a container's), whose OOM killer is the kernel's own."""
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -78,15 +79,22 @@ class WallClock:
         time.clock_settime(time.CLOCK_REALTIME, time.clock_gettime(time.CLOCK_REALTIME) + seconds)
 
 
+CLOCK_LOCK = "/tmp/ftmem-test-wall-clock.lock"
+
+
 @contextlib.contextmanager
 def stepped_clock() -> Iterator[WallClock]:
     """A :class:`WallClock` to step during the block; after it the clock reads what it would
-    have read unstepped (the monotonic clock measured the time that passed)."""
-    offset = time.clock_gettime(time.CLOCK_REALTIME) - time.monotonic()
-    try:
-        yield WallClock()
-    finally:
-        time.clock_settime(time.CLOCK_REALTIME, time.monotonic() + offset)
+    have read unstepped (the monotonic clock measured the time that passed). One block at a time
+    on the machine (a lock file): two test runs side by side that stepped it at once would each
+    put back the other's step."""
+    with open(CLOCK_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        offset = time.clock_gettime(time.CLOCK_REALTIME) - time.monotonic()
+        try:
+            yield WallClock()
+        finally:
+            time.clock_settime(time.CLOCK_REALTIME, time.monotonic() + offset)
 
 
 class MemoryCgroup:
