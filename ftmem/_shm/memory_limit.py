@@ -37,15 +37,16 @@ class Room:
         return max(0, self.limit - self.working_set)
 
 
-def tightest(proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT) -> Optional[Room]:
+def tightest() -> Optional[Room]:
     """The limit with the least room over this process's memory cgroup and its ancestors;
     None where none of them is limited (or the process sees no cgroup file system)."""
-    return min(_limited(proc_cgroup, root), key=lambda room: room.free, default=None)
+    return min(_limited(), key=lambda room: room.free, default=None)
 
 
-def _limited(proc_cgroup: str, root: str) -> Iterator[Room]:
+def _limited() -> Iterator[Room]:
+    root = CGROUP_ROOT
     try:
-        with open(proc_cgroup) as f:
+        with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
     except OSError:
         return
