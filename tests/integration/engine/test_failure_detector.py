@@ -83,7 +83,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.fault("network fault", phase="between saves", framework="engine (toy trainer)",
+@pytest.mark.fault("the store connection of a beat reset", phase="between saves", framework="engine (toy trainer)",
                    expect="goes on: a beat whose connection is reset takes a new one, and the watcher sees no silence")
 def test_a_beat_that_fails_takes_a_new_connection_and_the_watcher_sees_no_silence():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
