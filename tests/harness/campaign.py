@@ -116,7 +116,7 @@ def record(item, report) -> None:
     if mark is None:
         return
     line = item.config.__dict__.setdefault("_fault_lines", {}).setdefault(item.nodeid, line_of(item, mark))
-    if report.when == "setup" and report.skipped:
+    if report.skipped:  # at its setup, or in its body (a machine without what the fault needs)
         line.observed = "not run: " + str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else "skipped")
     elif report.when == "call" or (report.when == "setup" and report.failed):
         line.observed = "as expected" if report.passed else "NOT as expected: " + first_line(report)
