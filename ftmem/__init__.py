@@ -29,8 +29,8 @@ _PUBLIC = {
                      "SLOT_CHOICES", "FtmemConfig"),
     "ftmem.errors": ("CollectiveNotJoined", "ConfigError", "CorruptShard", "EcGeometryMismatch", "ForeignVersions",
                      "FtmemError", "JobAlreadyRunning", "LayoutMismatch", "NoRecoverableVersion",
-                     "NotRecoverableFromMemory", "SharedMemoryRemoved", "ShmBudgetError", "SmpError", "SmpUnresponsive",
-                     "UnadmittedType", "UnsafeSharedMemory", "UnsupportedTensor"),
+                     "NotRecoverableFromMemory", "OpenFileLimit", "SharedMemoryRemoved", "ShmBudgetError", "SmpError",
+                     "SmpUnresponsive", "UnadmittedType", "UnsafeSharedMemory", "UnsupportedTensor"),
 }
 _MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
 
@@ -60,5 +60,5 @@ __all__ = [
     "FtmemError", "ConfigError", "CorruptShard", "LayoutMismatch", "EcGeometryMismatch", "NoRecoverableVersion",
     "NotRecoverableFromMemory", "ShmBudgetError", "SmpError", "SmpUnresponsive", "SharedMemoryRemoved",
     "UnsupportedTensor", "UnadmittedType", "UnsafeSharedMemory", "ForeignVersions", "JobAlreadyRunning",
-    "CollectiveNotJoined",
+    "CollectiveNotJoined", "OpenFileLimit",
 ]
