@@ -84,11 +84,11 @@ class FailureDetector:
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         now = time.monotonic()
+        self._publishing = False  # the judge puts a verdict on the store: it ends after the others read it
         # What the beats saw, read by the judge: guarded by _lock.
         self._answered = now  # the store's last answer
         self._moved = now  # when the watched rank's counter last moved (or the watch began)
         self._count: Optional[int] = None
-        self._verdict: Optional[str] = None
         self._watched_host: Optional[str] = None
         self._gone: Optional[str] = None  # why the store is gone for good, once a beat found that
         self._store.set(self._key + f"host/{rank}", socket.gethostname())
@@ -143,10 +143,18 @@ class FailureDetector:
                 self._store.add(own, 1)
                 count = self._store.add(watched, 0)
                 verdict = self._verdict_decision()
-                said = verdict.answer() if verdict.answered() else None
-                if said is not None and not counted:
-                    verdict.read()
+                if verdict.answered() and not counted:
+                    said = verdict.answer()
                     counted = True
+                    if self._publishing:
+                        verdict.read()
+                    else:
+                        # Then at once, from this thread: the rank that put it there ends once it
+                        # counted this read, and its end may fail this rank's collectives, whose
+                        # error would end the process first, not saying why. (Where this process
+                        # serves the store, the read waits, bounded, for the others' first.)
+                        verdict.read(self._live())
+                        return self._end(said)
                 if self._watched_host is None and count > 0:  # it set its host before its first beat
                     self._watched_host = self._store.get(self._key + f"host/{self.watched}").decode()
             except Exception as e:  # a call that timed out, or a connection closed: the judge counts the silence
@@ -155,7 +163,7 @@ class FailureDetector:
             else:
                 now = time.monotonic()
                 with self._lock:
-                    self._answered, self._verdict = now, said
+                    self._answered = now
                     if count != self._count:
                         self._count, self._moved = count, now
             self._stopped.wait(self.interval_s)
@@ -190,9 +198,7 @@ class FailureDetector:
         while not self._stopped.wait(self.interval_s / 2):
             now = time.monotonic()
             with self._lock:
-                answered, moved, count, said = self._answered, self._moved, self._count, self._verdict
-            if said is not None:
-                self._end(said)
+                answered, moved, count = self._answered, self._moved, self._count
             if self._gone is not None:
                 self._end(self._gone)
             if now - answered > self.timeout_s:
@@ -204,6 +210,7 @@ class FailureDetector:
             silent = answered - moved
             if (count is None or count < _LEFT) and silent > self.timeout_s:
                 node = self.watched // self._ranks_per_node
+                self._publishing = True
                 verdict = self._publish(f"node {node} (host {self._watched_host or '?'}, rank {self.watched}) has not "
                                         f"answered for {silent:.0f} s (seen by rank {self.rank})")
                 self._until_read()
@@ -226,11 +233,14 @@ class FailureDetector:
         putter.join(self.interval_s)
         return held[0]
 
+    def _live(self) -> int:
+        """The ranks that can read a verdict: all but the watched rank's node's."""
+        return self._world_size - (1 if self._world_size <= self._ranks_per_node else self._ranks_per_node)
+
     def _until_read(self) -> None:
         """Until every live rank has read the verdict (at its next beat), at most two beats:
         all but the watched rank's node, where more are lost, the wait runs out and says so."""
-        live = self._world_size - (1 if self._world_size <= self._ranks_per_node else self._ranks_per_node)
-        wait_s = 2 * self.interval_s
+        live, wait_s = self._live(), 2 * self.interval_s
         try:
             read = self._verdict_decision().until_read(live, wait_s)
         except Exception as e:  # the store went meanwhile: nobody else can read it now
