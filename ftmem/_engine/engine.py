@@ -230,10 +230,11 @@ class SnapshotEngine:
             raise FtmemError("save(persist=True) needs a persistent tier: call persist_with first.")
         self._committer.raise_failure()
         exit_status.carried_on()
-        skeleton, tensors = split_state(state)
+        split = split_state(state)
+        tensors = split.tensors
         flags = [bool(replicated(t)) for t in tensors] if (self._dp_shard and replicated) else None
         replica = (self.dp_peers.ranks.index(self.rank), len(self.dp_peers.ranks))
-        plan = self._planner.plan(tensors, flags, replica)
+        plan = self._planner.plan(tensors, split.elements, flags, replica)
         if self._saved_at_or_after(version):
             self.wait_protected()
             self.store.drop_from(version)
@@ -242,7 +243,7 @@ class SnapshotEngine:
         ref = self.next_save(version)
         self._saves, self.timeline = self._saves + 1, ref.timeline
         # The slot is the copy thread's choice, made when the copy starts.
-        record = CommitRecord(version=version, rank=self.rank, slot=-1, plan=plan, skeleton=skeleton,
+        record = CommitRecord(version=version, rank=self.rank, slot=-1, plan=plan, skeleton=split.skeleton,
                               layout=self.layout, format=self.format, origin=self.identity.origin,
                               lineage=self.lineage, uid=ref.uid, timeline=ref.timeline)
         handle = SaveHandle(version, ref, copy_bound_s(plan.nbytes))

@@ -59,7 +59,9 @@ _MARKER_RE = re.compile(r"^rank(\d{5})\.v(\d{12})\.s(\d)\.(commit|parity)$")
 # 3: a skeleton names each tensor by a call of ftmem._state.serialize.tensor_reference, no longer by a persistent id.
 # 4: a parity record says which of its pieces copy one member's data (k = 1), and carries that member's checksum for them.
 # 5: a commit record names its save (uid) and timeline; its lineage is a VersionRef, no longer (job, version).
-RECORD_FORMAT = 5
+# 6: a skeleton is two pickles, where its references go among the tensors, then the state, whose
+#    references are calls of ftmem._state.serialize.next_tensor (taking the tensors in order).
+RECORD_FORMAT = 6
 
 
 @dataclass(frozen=True)

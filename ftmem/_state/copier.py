@@ -9,6 +9,7 @@ thread (:func:`taken_now`). Reading a slot back is :mod:`ftmem._state.reader`'s.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -55,14 +56,18 @@ def taken_now(tensors: Sequence[torch.Tensor], written_in_forward: Optional[Call
 
 
 def capture_cuda_order(tensors: Sequence[torch.Tensor]) -> dict:
-    """On the caller's thread: an event per device marking where the producing work ends."""
+    """On the caller's thread: an event per device of ``tensors`` on CUDA, marking where the producing work ends."""
+    if not torch.cuda.is_initialized():  # no tensor is on CUDA (and the save call skips a look at each)
+        return {}
     events = {}
-    for t in tensors:
-        if t.is_cuda and t.device not in events:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(t.device))
-            events[t.device] = ev
+    for device in set(map(_DEVICE, tensors)):
+        if device.type == "cuda":
+            events[device] = ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(device))
     return events
+
+
+_DEVICE = operator.attrgetter("device")
 
 
 # (a tensor's index, its window in the slot, the slice of its bytes that goes there if only

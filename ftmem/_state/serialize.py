@@ -1,8 +1,8 @@
 """Split a rank's state into a small pickled skeleton and the list of its tensors.
 
 Tensor data is never pickled: the skeleton holds a reference (a call of
-:func:`tensor_reference` with an index) in place of each tensor, as ``torch.save`` keeps
-storages out of its pickle. Any picklable structure works (dicts, lists, tuples,
+:func:`next_tensor`) in place of each tensor, as ``torch.save`` keeps storages out of its
+pickle. Any picklable structure works (dicts, lists, tuples,
 dataclasses, OrderedDicts, ...). A tensor that appears twice — the same object, or
 another view of exactly the same elements (``p.detach()`` beside ``p``, as a
 ``state_dict()`` holds it) — is stored once and comes back as one object, so a state
@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copyreg
 import io
+import operator
 import pickle
-from typing import Any, Sequence
+import types
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -72,95 +75,190 @@ def _unadmitted(name: str, when: str) -> UnadmittedType:
     )
 
 
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# Quantized dtypes: a quantized tensor is strided and has storage, so only its dtype tells it apart.
+_QUANTIZED = frozenset(d for d in (getattr(torch, n, None) for n in ("qint8", "quint8", "qint32", "quint4x2",
+                                                                     "quint2x4")) if d is not None)
+
+
 def _check_plain_tensor(t: torch.Tensor) -> None:
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+    if type(t) not in _PLAIN_TENSOR_TYPES:
         raise UnsupportedTensor(
             f"ftmem snapshots plain tensors and nn.Parameter, not {type(t).__name__}: "
             f"hand the engine the local tensor (e.g. DTensor.to_local()) and its layout."
         )
-    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta" or t.is_nested:
         raise UnsupportedTensor(
             f"ftmem snapshots dense strided tensors; got layout={t.layout}, device={t.device}, "
-            f"quantized={t.is_quantized}. Convert it (e.g. .to_dense()) before saving."
+            f"quantized={t.is_quantized}, nested={t.is_nested}. Convert it (e.g. .to_dense()) before saving."
         )
 
 
-def tensor_reference(index: int) -> Any:
-    """What a skeleton calls, by this name, in place of the tensor at ``index``. Only a
-    skeleton's own unpickler answers the call (with the tensor); called otherwise, it says so."""
-    raise pickle.UnpicklingError(f"tensor reference {index} is an ftmem skeleton's: load it with ftmem._state.serialize")
+def next_tensor() -> Any:
+    """What a skeleton calls, by this name, in place of each tensor: the tensors in the order
+    the skeleton meets them. Only a skeleton's own unpickler answers the call; called
+    otherwise, it says so."""
+    raise pickle.UnpicklingError("a tensor reference is an ftmem skeleton's: load it with ftmem._state.serialize")
 
 
-_TENSOR_REFERENCE = f"{tensor_reference.__module__}.{tensor_reference.__qualname__}"
+_NEXT_TENSOR = f"{next_tensor.__module__}.{next_tensor.__qualname__}"
+_A_TENSOR = (next_tensor, ())  # a tensor's reduction, the same tuple for every tensor
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+# Per tensor, asked for all tensors at once in C loops (map), not attribute by attribute in Python.
+_DATA_PTR, _SHAPE, _STRIDE = torch.Tensor.data_ptr, operator.attrgetter("shape"), torch.Tensor.stride
+_DTYPE, _DEVICE_INDEX, _CONTIGUOUS = operator.attrgetter("dtype"), torch.Tensor.get_device, torch.Tensor.is_contiguous
 
 
 class _SkeletonPickler(pickle.Pickler):
-    # A tensor is reduced to a call of tensor_reference(index). reducer_override runs for
-    # objects of non-builtin types only, and once per object (pickle's memo answers a
-    # tensor met again), where a persistent_id hook would run for every object of the
-    # state: at ~1,700 tensors and ~20,000 other objects a save, that was most of the
-    # training loop's wait in the save call.
+    # reducer_override runs for objects of non-builtin types only, and once per object
+    # (pickle's memo answers a tensor met again), where a persistent_id hook would run for
+    # every object of the state: at ~1,700 tensors and ~20,000 other objects a save, that
+    # was most of the training loop's wait in the save call. Per tensor it only keeps the
+    # tensor and answers with the same reduction: a save call meets thousands of tensors,
+    # and a Python step for each costs it milliseconds. What tells views apart and what a
+    # plan depends on are asked for afterwards, for all tensors at once (_elements).
     def __init__(self, buf: io.BytesIO):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[torch.Tensor] = []
-        self._index_of: dict[tuple, int] = {}
+        self.found: list[torch.Tensor] = []  # every tensor object, in the order the skeleton meets them
+        self._keep = self.found.append
+        self.naming: set = set()  # what decides the globals the skeleton names (_naming)
+        self._name = self.naming.add
 
     def reducer_override(self, obj: Any):
-        if not isinstance(obj, torch.Tensor):
-            return NotImplemented
-        _check_plain_tensor(obj)
-        key = _elements(obj)
-        index = self._index_of.get(key)
-        if index is None:
-            index = self._index_of[key] = len(self.tensors)
-            self.tensors.append(obj)
-        return tensor_reference, (index,)
+        kind = type(obj)
+        if kind is _TENSOR or kind is _PARAMETER:
+            self._keep(obj)
+            return _A_TENSOR
+        if kind is _SIZE:  # as a Size reduces itself, without the way there (DeepSpeed saves thousands)
+            return _SIZE, (tuple(obj),)
+        if isinstance(obj, torch.Tensor):
+            _check_plain_tensor(obj)  # a subclass: refused
+        self._name(_naming(obj, kind))
+        return NotImplemented
 
 
-def _elements(t: torch.Tensor) -> tuple:
-    """What identifies the elements a tensor views: two tensors with the same key read
-    and write the same memory in the same way. Empty tensors share no memory (their
-    storages may all start at address 0): each is itself."""
-    if t.numel() == 0:
-        return (id(t),)
-    # The address of the first element stands for storage and offset (cheaper to ask for).
-    return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
+_SIZE = torch.Size
+_BY_NAME: dict[type, bool] = {}  # per type: whether pickle names its instances as globals of their own
+
+
+def _naming(obj: Any, kind: type) -> Any:
+    """What decides the globals that pickling ``obj`` names (reducer_override meets every
+    object that can name one): ``obj`` itself where pickle names it (a class, a function, a
+    dtype), else its type, whose reduction names a callable that pickling meets in its turn."""
+    by_name = _BY_NAME.get(kind)
+    if by_name is None:
+        by_name = _BY_NAME[kind] = isinstance(obj, (type, types.FunctionType)) or _reduces_to_a_name(obj, kind)
+    if not by_name:
+        return kind
+    try:
+        hash(obj)
+    except TypeError:
+        return id(obj)  # never the same twice: a skeleton naming it is checked at every save
+    return obj
+
+
+def _reduces_to_a_name(obj: Any, kind: type) -> bool:
+    reduce = copyreg.dispatch_table.get(kind)
+    try:
+        return isinstance(reduce(obj) if reduce is not None else obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL), str)
+    except Exception:  # not picklable: pickling it says why
+        return False
+
+
+def _elements(found: list[torch.Tensor]) -> list[tuple]:
+    """Per tensor, what identifies the elements it views: (address of the first element,
+    shape, strides or None where contiguous, dtype, device index): two tensors with the same
+    key read and write the same memory in the same way. UnsupportedTensor for a tensor that is
+    not dense and strided."""
+    try:
+        addresses, dtypes = list(map(_DATA_PTR, found)), list(map(_DTYPE, found))
+        contiguous = list(map(_CONTIGUOUS, found))
+        strides = [None] * len(found) if all(contiguous) else [
+            None if c else t.stride() for t, c in zip(found, contiguous)]
+        keys = list(zip(addresses, map(_SHAPE, found), strides, dtypes, map(_DEVICE_INDEX, found)))
+    except RuntimeError:  # no storage (sparse, mkldnn) or no strides (nested)
+        keys = None
+    if keys is None or 0 in addresses or not _QUANTIZED.isdisjoint(dtypes):  # the rare cases, checked in full
+        keys = [_checked_elements(t) for t in found]
+    return keys
+
+
+def _checked_elements(t: torch.Tensor) -> tuple:
+    _check_plain_tensor(t)
+    if t.data_ptr() == 0:  # empty tensors share no memory (their storages may all start at 0): each is itself
+        return (id(t), t.shape, None, t.dtype, t.get_device())
+    return (t.data_ptr(), t.shape, None if t.is_contiguous() else t.stride(), t.dtype, t.get_device())
 
 
 class _SkeletonUnpickler(pickle.Unpickler):
-    def __init__(self, buf: io.BytesIO, tensors: Sequence[Any], when: str):
+    def __init__(self, buf: io.BytesIO, when: str, tensors: Sequence[Any] = ()):
         super().__init__(buf)
-        self._tensors = tensors
         self._admitted = admitted_globals()
         self._when = when
+        self._in_order = iter(tensors)  # what each reference stands for, in the skeleton's order
 
     def find_class(self, module: str, name: str) -> Any:
-        if f"{module}.{name}" == _TENSOR_REFERENCE:
-            return self._tensors.__getitem__
+        if f"{module}.{name}" == _NEXT_TENSOR:
+            return self._in_order.__next__
         found = self._admitted.get(f"{module}.{name}")
         if found is None:
             raise _unadmitted(f"{module}.{name}", self._when)
         return found
 
 
-def split_state(state: Any) -> tuple[bytes, list[torch.Tensor]]:
-    """Return (skeleton bytes, tensors in reference order). UnadmittedType if the state
-    holds an object that a restore would refuse to load."""
+class SplitState(NamedTuple):
+    """A state split for a snapshot."""
+
+    skeleton: bytes
+    tensors: list[torch.Tensor]  # each view of the same elements once, in the order the state holds them
+    # per tensor, what identifies the elements it views (_elements): (address of the first
+    # element, shape, strides or None where contiguous, dtype, device index)
+    elements: tuple[tuple, ...]
+
+
+def split_state(state: Any) -> SplitState:
+    """The state's skeleton and its tensors. UnadmittedType if the state holds an object that
+    a restore would refuse to load, UnsupportedTensor if a tensor that ftmem does not copy.
+
+    The skeleton is two pickles: where each of the state's references goes among the
+    tensors (None: each to the next, no two views of the same elements), then the state."""
     buf = io.BytesIO()
     pickler = _SkeletonPickler(buf)
     with collection_deferred():  # a save's pickling makes tens of thousands of short-lived objects
         pickler.dump(state)
-        skeleton = buf.getvalue()
+        found = pickler.found
+        keys = _elements(found)
+        # Each key's first reference (a dict keeps the last value given for a key).
+        first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
+        if len(first) == len(keys):
+            tensors, aliases = found, None
+        else:
+            kept = sorted(first.values())
+            number = {reference: i for i, reference in enumerate(kept)}
+            aliases = [number[first[key]] for key in keys]
+            tensors, keys = [found[i] for i in kept], [keys[i] for i in kept]
+        skeleton = pickle.dumps(aliases, protocol=pickle.HIGHEST_PROTOCOL) + buf.getvalue()
         # Loaded as a restore will load it (with no tensors behind the references): the same
-        # check, so that what a save accepts a restore accepts.
-        _SkeletonUnpickler(io.BytesIO(skeleton), [None] * len(pickler.tensors), "the state to save").load()
-    return skeleton, pickler.tensors
+        # check, so that what a save accepts a restore accepts. Once for each set of globals
+        # the skeletons name and admitted set: loading builds every object of the state anew,
+        # which costs a save call of thousands of them a millisecond or more.
+        checked = (frozenset(pickler.naming), frozenset(admitted_globals()))
+        if checked != _checked_last[0]:
+            join_state(skeleton, [None] * len(tensors), "the state to save")
+            _checked_last[0] = checked
+    return SplitState(skeleton, tensors, tuple(keys))
 
 
-def join_state(skeleton: bytes, tensors: Sequence[Any]) -> Any:
+# What the last skeleton checked named and what was admitted then (split_state).
+_checked_last: list = [None]
+
+
+def join_state(skeleton: bytes, tensors: Sequence[Any], what: str = "the snapshot's skeleton") -> Any:
     """Inverse of :func:`split_state`: put ``tensors`` back in their places.
-    UnadmittedType if the skeleton names a global that is not admitted."""
-    return _SkeletonUnpickler(io.BytesIO(skeleton), tensors, "the snapshot's skeleton").load()
+    UnadmittedType if the skeleton names a global that is not admitted (saying it of ``what``)."""
+    buf = io.BytesIO(skeleton)
+    aliases = _SkeletonUnpickler(buf, what).load()  # the first pickle: where the references go
+    return _SkeletonUnpickler(buf, what, tensors if aliases is None else [tensors[i] for i in aliases]).load()
 
 
 class _TensorsApart(pickle.Pickler):

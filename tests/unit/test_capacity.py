@@ -40,8 +40,8 @@ def test_the_bytes_planned_per_rank_are_what_the_engine_plans_for_the_job_s_stat
     them (REFT) and the RNG whole. The planner leaves out the RNG state and the 64-byte
     alignment of each tensor (the optimizer's step counters are no more than that)."""
     state = adam_job_state(dtype)
-    _, tensors = split_state(state)
-    rng = {id(t) for t in split_state(state["rng"])[1]}
+    tensors = split_state(state).tensors
+    rng = {id(t) for t in split_state(state["rng"]).tensors}
     # As SnapshotEngine.save: replicated flags only where a DP group has more than one replica.
     flags = [id(t) not in rng for t in tensors] if dp > 1 else None
     allocated = max(SnapshotPlan.for_tensors(tensors, flags, (replica, dp)).nbytes for replica in range(dp))

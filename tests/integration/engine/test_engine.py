@@ -425,11 +425,19 @@ def test_a_tensor_and_its_detached_alias_are_stored_once():
     weight = torch.nn.Parameter(torch.randn(4, 3))
     state = {"sharded": {"w": weight}, "state_dict": {"w": weight.detach()}, "row": weight[1], "empty": [
         torch.empty(0), torch.empty(0)]}
-    skeleton, tensors = split_state(state)
+    skeleton, tensors = split_state(state)[:2]
     assert [t.shape for t in tensors] == [(4, 3), (3,), (0,), (0,)]
     back = join_state(skeleton, [t.detach().clone() for t in tensors])
     assert back["state_dict"]["w"] is back["sharded"]["w"] and back["row"] is not back["sharded"]["w"]
     assert torch.equal(back["row"], weight[1].detach()) and back["empty"][0] is not back["empty"][1]
+
+    grid = torch.arange(32.0)  # two views from the same first element, of the same shape, strided apart
+    rows, columns = grid.as_strided((4, 4), (8, 1)), grid.as_strided((4, 4), (1, 8))
+    skeleton, tensors = split_state({"rows": rows, "columns": columns, "again": {"rows": rows.view(4, 4)}})[:2]
+    assert len(tensors) == 2
+    back = join_state(skeleton, [t.clone() for t in tensors])
+    assert back["again"]["rows"] is back["rows"] and torch.equal(back["rows"], rows)
+    assert torch.equal(back["columns"], columns)
 
 
 class GatedFormat(FrameworkFormat):

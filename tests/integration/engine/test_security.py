@@ -198,6 +198,13 @@ def test_a_save_learns_of_an_unadmitted_type_at_once_and_add_safe_globals_admits
     with torch.serialization.safe_globals([Note]):
         engine.save({"w": torch.zeros(4), "note": Note("x")}, 1).wait_protected()
         assert engine.restore().state["note"] == Note("x")
+    # A save checks each skeleton whose globals, or the admitted ones, differ from the last it checked.
+    with pytest.raises(UnadmittedType, match="names test_security.Note"):
+        engine.save({"w": torch.zeros(4), "note": Note("x")}, 2)
+    engine.save({"w": torch.zeros(4), "dtype": torch.float32}, 2).wait_protected()
+    for named in (print, Note):  # a function, a class: new globals beside ones checked before
+        with pytest.raises(UnadmittedType, match=f"names {named.__module__}.{named.__qualname__}"):
+            engine.save({"w": torch.zeros(4), "dtype": torch.float32, "named": named}, 3)
     engine.close(job_finished=True)
 
 
