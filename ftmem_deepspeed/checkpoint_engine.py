@@ -13,7 +13,7 @@ file's tensor-free top-level entries (``mp_world_size``, ``global_steps``, ...):
 DeepSpeed reads those from files that other ranks hold (the pipeline engine checks
 the first stage's model-states file on every stage), never their tensors. What the next
 forward may write before the step (the module's buffers, the client state) is copied during
-the save call, the rest in the background (:func:`_written_in_forward`).
+the save call, the rest in the background (:func:`_weights_and_written_in_forward`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import FtmemConfig, FtmemError, ParallelLayout
 from ftmem.adapter import (AdapterRuntime, RestoreTargets, apply_map_location, check_startup, gather_dp_groups,
-                           job_info, save_atomically, tensors)
+                           holds_tensors, job_info, save_atomically, tensors)
 
 from .format import DeepSpeedFormat
 from .loads import DeepSpeedLoads, file_key
@@ -103,16 +103,16 @@ class FtmemCheckpointEngine(CheckpointEngine):
 
     def save(self, state_dict, path: str) -> None:
         self._files[path] = state_dict
-        self._written_in_forward |= {id(t) for t in _written_in_forward(state_dict)}
+        if not isinstance(state_dict, dict) or "module" not in state_dict:
+            return  # a ZeRO partition (the optimizer's), or a pipeline layer's file (a copy DeepSpeed made)
+        weights, written_in_forward = _weights_and_written_in_forward(state_dict)
+        self._written_in_forward |= written_in_forward
         if self._holds_replicated_module(state_dict):
             # Module weights (and, without ZeRO, the optimizer) are the same on every DP
             # replica: each replica keeps only its slice of them. Buffers are not: DeepSpeed
             # does not keep them in step (a BatchNorm's running statistics follow each
             # replica's data), so each replica keeps its own.
-            buffers = set(state_dict.get("buffer_names") or ())
-            module = state_dict.get("module") or {}
-            self._replicated |= {id(t) for name, value in module.items() if name not in buffers
-                                 for t in tensors(value)}
+            self._replicated |= weights
             if self.zero_stage == 0:
                 self._replicated |= {id(t) for t in tensors(state_dict.get("optimizer"))}
 
@@ -144,7 +144,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         # The stubs go first, naming the save about to start: a version memory holds always has them.
         saved = runtime.next_save(version)
         for path, state_dict in files.items():
-            metadata = {k: v for k, v in state_dict.items() if not tensors(v)} if isinstance(state_dict, dict) else {}
+            metadata = {k: v for k, v in state_dict.items() if not holds_tensors(v)} if isinstance(state_dict, dict) else {}
             write_stub(path, file_key(path), saved, metadata, (identity.world_size, identity.ranks_per_node))
         runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()}, "tag": info.tag},
                      version, replicated=lambda t: id(t) in replicated,
@@ -232,19 +232,19 @@ class FtmemCheckpointEngine(CheckpointEngine):
             self._loads.end()
 
 
-def _written_in_forward(state_dict) -> list:
-    """The tensors of a file DeepSpeed hands its engine that the next forward may write in place
-    before the optimizer step: in a model-states file, all but the module's parameters and the
-    optimizer's state (which only the step writes): the module's buffers (a BatchNorm's running
-    statistics), the client state, the scheduler's. The ZeRO partitions are the optimizer's;
-    a pipeline layer's file is a copy DeepSpeed made already."""
-    if not isinstance(state_dict, dict) or "module" not in state_dict:
-        return []
-    buffers = set(state_dict.get("buffer_names") or ())
-    module = state_dict.get("module") or {}
-    kept_for_the_step = {id(t) for name, value in module.items() if name not in buffers for t in tensors(value)}
-    kept_for_the_step |= {id(t) for t in tensors(state_dict.get("optimizer"))}
-    return [t for t in tensors(state_dict) if id(t) not in kept_for_the_step]
+def _weights_and_written_in_forward(model_states: dict) -> tuple[set[int], set[int]]:
+    """The ids of a model-states file's module weights, and of its tensors that the next
+    forward may write in place before the optimizer step: all but the module's weights and
+    the optimizer's state (which only the step writes), that is the module's buffers (a
+    BatchNorm's running statistics), the client state, the scheduler's. (Each walk is over
+    the entries it needs, once: a save call pays for every tensor it visits.)"""
+    buffers = set(model_states.get("buffer_names") or ())
+    module = model_states.get("module") or {}
+    weights = {id(t) for t in tensors([value for name, value in module.items() if name not in buffers])}
+    kept_for_the_step = weights | {id(t) for t in tensors(model_states.get("optimizer"))}
+    elsewhere = [value for name, value in module.items() if name in buffers]
+    elsewhere += [value for key, value in model_states.items() if key not in ("module", "optimizer")]
+    return weights, {id(t) for t in tensors(elsewhere)} - kept_for_the_step
 
 
 def _global_steps(files: dict) -> set:

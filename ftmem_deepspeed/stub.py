@@ -30,9 +30,10 @@ torch.serialization.add_safe_globals([ftmem_guard.ftmem_in_memory_checkpoint_stu
 
 
 # The stub's own format. 1: tag_file, job, metadata; 2: also world (the writer's world size
-# and ranks per node); 3: also version (the save it stands for, a VersionRef's fields). A
-# stub without "format" is of format 1.
-STUB_FORMAT = 3
+# and ranks per node); 3: also version (the save it stands for, a VersionRef's fields); 4: the
+# metadata pickled apart, as bytes (read_stub returns it unpickled). A stub without "format" is
+# of format 1.
+STUB_FORMAT = 4
 
 
 class _Stub:
@@ -49,8 +50,12 @@ def write_stub(path: str, tag_file: str, version: VersionRef, metadata: dict, wo
     name what a relaunch at another size changed."""
     # Every DP replica writes the same model-states stub: each under a temporary name of its own.
     stub = io.BytesIO()
-    torch.save(_Stub({"format": STUB_FORMAT, "tag_file": tag_file, "job": version.job, "metadata": metadata,
-                      "world": list(world), "version": dataclasses.asdict(version)}), stub)
+    # The metadata goes into the archive as one bytes object of its own pickle: torch.save's
+    # pickler asks a Python hook about every object, and DeepSpeed's param_shapes alone are
+    # thousands of them, written on the training thread at every save.
+    torch.save(_Stub({"format": STUB_FORMAT, "tag_file": tag_file, "job": version.job,
+                      "metadata": pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), "world": list(world),
+                      "version": dataclasses.asdict(version)}), stub)
     write_atomically(path, stub.getvalue())
 
 
@@ -106,9 +111,12 @@ def read_stub(path: str) -> dict:
     from format 3 on ``version`` (:func:`version_of`); ``format``: :data:`STUB_FORMAT`, 1 where
     absent. ValueError if ``path`` is none."""
     try:
-        return _load(path, whole=True)
+        info = _load(path, whole=True)
     except _NotAStub:
         raise ValueError(f"{path} is not an ftmem stub") from None
+    if info.get("format", 1) >= 4:
+        info["metadata"] = pickle.loads(info["metadata"])  # as trusted as the stub's own pickle, read the same way
+    return info
 
 
 def is_stub(path: str) -> bool:

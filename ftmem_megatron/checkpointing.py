@@ -35,7 +35,8 @@ from ftmem.adapter import (DISK, MEMORY, SCRATCH, Adopted, AdapterRuntime, DiskC
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
-from .sharded_state import from_snapshot, local_tensors, pieces_by_key, replicated_paths, tensors_at, to_snapshot
+from .sharded_state import (ReplicatedPaths, from_snapshot, local_tensors, pieces_by_key, tensors_at,
+                            to_snapshot)
 from .torch_checkpoint import RELEASE, read_tracker
 
 # Args a resumed job must share with the one that saved (beyond the parallel layout,
@@ -191,6 +192,7 @@ class MegatronCheckpointer:
                                       save_dir=args.save, persist_dir=persist_dir,
                                       framework_on_disk=functools.partial(saved_iteration, args.save))
         self._described = False
+        self._replicated_paths = ReplicatedPaths()
         self._last_resume: Optional[Resumption] = None  # the last load's, for the disk line after Megatron's own load
 
     def save(self, iteration: int, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
@@ -203,7 +205,7 @@ class MegatronCheckpointer:
         with collection_deferred():  # megatron-core's sharded state dicts are tens of thousands of objects
             data, places = to_snapshot(_sharded_state(model, optimizer))
             dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            shared = tensors_at(data, replicated_paths(places, dp_group))
+            shared = tensors_at(data, self._replicated_paths.of(places, dp_group))
             replicated = {id(t) for t in shared}
             if not self._described:
                 self._described = True
@@ -404,6 +406,11 @@ def report_disk_load(iteration: int, args) -> None:
 def last_restore() -> Optional[RestoreTimes]:
     """Where this process's last load from memory spent its time (None before one)."""
     return _checkpointer.runtime.last_restore if _checkpointer is not None else None
+
+
+def last_save() -> Optional[SaveHandle]:
+    """The handle of this process's last in-memory save (None before its first)."""
+    return _checkpointer.runtime.last_save if _checkpointer is not None else None
 
 
 def wait_protected() -> None:

@@ -210,6 +210,26 @@ def replicated_paths(places: dict[str, Place], dp_group) -> set[str]:
     return {path for path, place in places.items() if all(other.get(path) == place for other in everyone)}
 
 
+class ReplicatedPaths:
+    """:func:`replicated_paths`, asked at every save: gathered again only where some replica's
+    places changed since the last save (each replica compares its own, and they share one
+    flag), as from one save of a training loop to the next they do not. Gathering thousands
+    of places from every replica cost each save call tens of milliseconds."""
+
+    def __init__(self) -> None:
+        self._last: Optional[tuple[dict[str, Place], set[str]]] = None  # the places, and the paths found
+
+    def of(self, places: dict[str, Place], dp_group) -> set[str]:
+        """:func:`replicated_paths` (collective over ``dp_group``)."""
+        if dist.get_world_size(dp_group) == 1:
+            return set()
+        changed = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(changed, self._last is None or self._last[0] != places, group=dp_group)
+        if any(changed):
+            self._last = (places, replicated_paths(places, dp_group))
+        return self._last[1]
+
+
 def _tensors_by_path(data: Any) -> dict[str, torch.Tensor]:
     """The tensors of a snapshot tree (from :func:`to_snapshot`) by path."""
     return {_path(path): value for path, value in leaves(data) if isinstance(value, torch.Tensor)}

@@ -178,8 +178,13 @@ def _elements(found: list[torch.Tensor]) -> list[tuple]:
         keys = list(zip(addresses, map(_SHAPE, found), strides, dtypes, map(_DEVICE_INDEX, found)))
     except RuntimeError:  # no storage (sparse, mkldnn) or no strides (nested)
         keys = None
-    if keys is None or 0 in addresses or not _QUANTIZED.isdisjoint(dtypes):  # the rare cases, checked in full
-        keys = [_checked_elements(t) for t in found]
+    if keys is None:  # one of them is not dense and strided: find it
+        return [_checked_elements(t) for t in found]
+    rare = [i for i, address in enumerate(addresses) if not address] if 0 in addresses else []
+    if not _QUANTIZED.isdisjoint(dtypes):
+        rare += [i for i, dtype in enumerate(dtypes) if dtype in _QUANTIZED]
+    for i in rare:  # checked in full: empty (each is itself), quantized (refused), on no device (refused)
+        keys[i] = _checked_elements(found[i])
     return keys
 
 

@@ -31,7 +31,7 @@ def test_stub_files_are_told_apart_from_real_checkpoints_and_say_what_they_are(t
     other.write_bytes(b"not a torch archive")
     assert is_stub(str(stub)) and not is_stub(str(real)) and not is_stub(str(other))
     assert not is_stub(str(tmp_path / "missing.pt"))
-    assert read_stub(str(stub)) == {"format": 3, "tag_file": "global_step3/stub.pt", "job": "job-a",
+    assert read_stub(str(stub)) == {"format": 4, "tag_file": "global_step3/stub.pt", "job": "job-a",
                                     "metadata": metadata, "world": [4, 2],
                                     "version": {"job": "job-a", "version": 3, "uid": "0123456789abcdef.3",
                                                 "timeline": "0123456789abcdef"}}

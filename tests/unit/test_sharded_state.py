@@ -71,3 +71,55 @@ def test_a_list_of_plain_values_of_another_length_is_refused_even_when_joining()
     data["steps"] = [1, 2]
     with pytest.raises(LayoutMismatch, match="another length"):
         from_snapshot({**rank_state([(0, 10)], empty=True), "steps": [1, 2, 3]}, data, places, pieces_by_key(old))
+
+
+def _replicated_paths_at_each_save(rank: int, store_path: str, saves: list, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from ftmem_megatron import sharded_state
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    gathers = []
+    stock = sharded_state.replicated_paths
+    sharded_state.replicated_paths = lambda *a: gathers.append(1) or stock(*a)
+    paths = sharded_state.ReplicatedPaths()
+    out.put((rank, [sorted(paths.of(places[rank], dist.group.WORLD)) for places in saves], len(gathers)))
+    dist.destroy_process_group()
+
+
+def test_the_replicated_paths_are_gathered_again_when_any_replica_s_places_change():
+    """From one save to the next the places stay, and the replicas skip the gather; where one
+    replica's change (and only its own), every replica gathers again, and none keeps paths
+    that are no longer the same on all (seen failing where each replica looked at its own)."""
+    import multiprocessing
+    import tempfile
+
+    from ftmem_megatron.sharded_state import Place
+
+    def place(offset: int) -> Place:
+        return Place("w", (8,), (offset,), None, "torch.float32", (4,))
+
+    same = {"a": place(0), "b": place(4)}
+    moved = {"a": place(0), "b": place(0)}
+    saves = [(same, same), (dict(same), dict(same)), (dict(same), moved), (dict(same), dict(moved))]
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = [context.Process(target=_replicated_paths_at_each_save, args=(r, f"{tmp}/store", saves, out))
+                 for r in range(2)]
+        for p in ranks:
+            p.start()
+        try:  # a rank that gathers alone waits out gloo's 20 s, then fails
+            results = dict((rank, (paths, gathers)) for rank, paths, gathers in (out.get(timeout=60) for _ in ranks))
+        finally:
+            for p in ranks:
+                p.join(30)
+                p.kill()
+    assert [p.exitcode for p in ranks] == [0, 0]
+    for rank in range(2):
+        paths, gathers = results[rank]
+        assert paths == [["a", "b"], ["a", "b"], ["a"], ["a"]], rank
+        assert gathers == 2, rank  # the first save's, and the one after rank 1's places moved
