@@ -179,6 +179,9 @@ def _cmd_export(args) -> int:
 TOOLS = "ftmem.tools"  # entry-point group of the tools `ftmem bench` and `ftmem demo` run
 BENCHES = {
     "save": "blocking and copy time of a save vs torch.save and a memory copy",
+    "savecall": "what the save call blocks against the tensors in the state: the core, DeepSpeed's save_checkpoint "
+                "and Megatron's in-memory save (2 ranks each), beside torch.save's walk of the state and each "
+                "framework's default save",
     "ec": "coding throughput per core vs a memory copy, time to protection, memory overhead",
     "protect": "save to protected per node as the job grows (N virtual nodes, k = N - m), beside gloo all_to_all "
                "and a memory copy of the same run",

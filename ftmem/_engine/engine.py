@@ -246,7 +246,7 @@ class SnapshotEngine:
         record = CommitRecord(version=version, rank=self.rank, slot=-1, plan=plan, skeleton=split.skeleton,
                               layout=self.layout, format=self.format, origin=self.identity.origin,
                               lineage=self.lineage, uid=ref.uid, timeline=ref.timeline)
-        handle = SaveHandle(version, ref, copy_bound_s(plan.nbytes))
+        handle = SaveHandle(version, ref, copy_bound_s(plan.nbytes), len(tensors))
         sources = taken_now(tensors, written_in_forward)
         self._committer.start(handle, record, sources, capture_cuda_order(sources), persist)
         return handle

@@ -26,8 +26,10 @@ class SaveHandle:
     marker, the wait behind an older version's protection, parity, agreement).
     """
 
-    def __init__(self, version: int, ref: Optional[VersionRef] = None, copy_bound_s: Optional[float] = None):
+    def __init__(self, version: int, ref: Optional[VersionRef] = None, copy_bound_s: Optional[float] = None,
+                 tensors: int = 0):
         self.version = version
+        self.tensors = tensors  # in the saved state, each view of the same elements counted once
         self.copy_bound_s = copy_bound_s
         self.ref = ref  # the save, told apart from any other of the same number (what stubs record)
         self._reusable = threading.Event()

@@ -172,6 +172,11 @@ class AdapterRuntime:
         """A gloo group of this rank's DP replicas (None without replicas)."""
         return self._engine.dp_peers.group
 
+    @property
+    def last_save(self) -> Optional[SaveHandle]:
+        """The handle of this run's last save (None before its first)."""
+        return self._handle
+
     # -- save ---------------------------------------------------------------------------
     def save(self, state: dict, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
              persist: bool = False, written_in_forward: Optional[Callable[[torch.Tensor], bool]] = None) -> SaveHandle:

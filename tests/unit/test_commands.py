@@ -10,8 +10,8 @@ import math
 
 from harness.common import run_cli
 
-# The unit each RESULT key ends with: seconds, throughputs, ratios, sizes in MiB.
-UNITS = ("_s", "_gbps", "_x", "_mb")
+# The unit each RESULT key ends with: seconds, throughputs, ratios, sizes in MiB, counts.
+UNITS = ("_s", "_gbps", "_x", "_mb", "_n")
 
 
 def result_figures(out) -> dict:
@@ -51,6 +51,14 @@ def test_bench_save_ends_with_its_result_line_and_frees_its_memory(shm_dir):
                             "protected_s", "step_s", "cycle_s", "cycle_cost_s", "cycle_cost_vs_torch_save_x"}
     # A save can cost a step nothing (noise): the cycle cost alone may be negative.
     assert [k for k, v in figures.items() if v <= 0 and not k.startswith("cycle_cost")] == [], figures
+    assert_memory_freed(shm_dir)
+
+
+def test_bench_savecall_of_the_core_ends_with_its_result_line_and_frees_its_memory(shm_dir):
+    figures = result_figures(run_cli("bench", "savecall", "--core-only", "--tiny", "--shm-dir", shm_dir))
+    assert set(figures) == {f"core_{n}_{key}" for n in (30, 300) for key in ("call_s", "call_max_s", "walk_s",
+                                                                              "vs_walk_x")} | {"core_vs_target_x"}
+    assert [k for k, v in figures.items() if v <= 0] == [], figures
     assert_memory_freed(shm_dir)
 
 

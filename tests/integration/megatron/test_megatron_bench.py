@@ -88,3 +88,23 @@ def test_the_overhead_bench_refuses_an_empty_block():
     out = subprocess.run([sys.executable, "-m", "ftmem.cli", "bench", "overhead", "--tiny", "--block", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--rounds and --block must be at least 1 (got --rounds 3 --block 0)" in out.stderr
+
+
+def test_the_save_call_bench_ends_with_a_result_line_for_the_core_and_both_adapters(shm_dir):
+    """``ftmem bench savecall --tiny``: the core in this process, DeepSpeed and megatron-core on
+    2 ranks each; each adapter's figures beside its default save and its framework's own part,
+    ftmem's share the difference; the memory freed."""
+    out = subprocess.run([sys.executable, "-m", "ftmem.cli", "bench", "savecall", "--tiny", "--shm-dir", shm_dir],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("RESULT ") and sum(ln.startswith("RESULT") for ln in lines) == 1
+    result = {k: float(v) for k, v in (kv.split("=") for kv in lines[-1].split()[1:])}
+    for name in ("deepspeed", "megatron"):
+        figures = {key.removeprefix(f"{name}_"): value for key, value in result.items() if key.startswith(name)}
+        assert set(figures) == {"tensors_n", "call_s", "call_max_s", "default_s", "framework_s", "ftmem_share_s",
+                                "vs_default_x", "share_vs_target_x"}, figures
+        assert figures["tensors_n"] > 10 and figures["call_max_s"] >= figures["call_s"] > 0, figures
+        assert abs(figures["ftmem_share_s"] - (figures["call_s"] - figures["framework_s"])) < 1e-6, figures
+    assert {"core_30_call_s", "core_300_call_s", "core_vs_target_x"} <= result.keys()
+    assert jobs.list_jobs(shm_dir) == []
