@@ -182,6 +182,8 @@ BENCHES = {
     "savecall": "what the save call blocks against the tensors in the state: the core, DeepSpeed's save_checkpoint "
                 "and Megatron's in-memory save (2 ranks each), beside torch.save's walk of the state and each "
                 "framework's default save",
+    "peers": "one GPT through torch.save to /dev/shm, DCP's async_save with its strongest stager, and ftmem: the "
+             "save call, the iteration with a save after each, the restore in a process started anew",
     "ec": "coding throughput per core vs a memory copy, time to protection, memory overhead",
     "protect": "save to protected per node as the job grows (N virtual nodes, k = N - m), beside gloo all_to_all "
                "and a memory copy of the same run",
