@@ -105,7 +105,7 @@ _NEXT_TENSOR = f"{next_tensor.__module__}.{next_tensor.__qualname__}"
 _A_TENSOR = (next_tensor, ())  # a tensor's reduction, the same tuple for every tensor
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 # Per tensor, asked for all tensors at once in C loops (map), not attribute by attribute in Python.
-_DATA_PTR, _SHAPE, _STRIDE = torch.Tensor.data_ptr, operator.attrgetter("shape"), torch.Tensor.stride
+_DATA_PTR, _SHAPE = torch.Tensor.data_ptr, operator.attrgetter("shape")
 _DTYPE, _DEVICE_INDEX, _CONTIGUOUS = operator.attrgetter("dtype"), torch.Tensor.get_device, torch.Tensor.is_contiguous
 
 
