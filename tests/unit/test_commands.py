@@ -6,29 +6,8 @@ docs/benchmarks.md lists, each naming its unit, with finite values; it frees the
 shared memory it took; and the figures that count bytes rather than time are what
 ftmem's layout makes them."""
 import json
-import math
 
-from harness.common import run_cli
-
-# The unit each RESULT key ends with: seconds, throughputs, ratios, sizes in MiB, counts.
-UNITS = ("_s", "_gbps", "_x", "_mb", "_n")
-
-
-def result_figures(out) -> dict:
-    """The figures of a benchmark run that ran to its end, whose output ends with its one
-    RESULT line, of ``key=value`` pairs, each key once and naming its unit, each value a
-    finite number."""
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.strip().splitlines()
-    results = [line for line in lines if line.startswith("RESULT")]
-    assert len(results) == 1 and lines[-1] == results[0], lines[-3:]
-    pairs = [kv.split("=") for kv in results[0].removeprefix("RESULT ").split()]
-    assert pairs and all(len(kv) == 2 for kv in pairs), results[0]
-    figures = {key: float(value) for key, value in pairs}
-    assert len(figures) == len(pairs), results[0]
-    assert [key for key in figures if not key.endswith(UNITS)] == [], results[0]
-    assert [key for key, value in figures.items() if not math.isfinite(value)] == [], results[0]
-    return figures
+from harness.common import result_figures, run_cli
 
 
 def assert_memory_freed(shm_dir):

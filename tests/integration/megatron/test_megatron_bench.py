@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import restore_breakdown
 from ftmem._shm import jobs
+from harness.common import result_figures, run_cli
 
 KEYS = {"ftmem_save_s", "torch_save_s", "save_vs_torch_x", "ftmem_restore_s", "torch_restore_s",
         "restore_vs_torch_x", "persist_save_s", "persist_vs_memory_save_x", "flush_s", "flush_gbps",
@@ -94,12 +95,7 @@ def test_the_save_call_bench_ends_with_a_result_line_for_the_core_and_both_adapt
     """``ftmem bench savecall --tiny``: the core in this process, DeepSpeed and megatron-core on
     2 ranks each; each adapter's figures beside its default save and its framework's own part,
     ftmem's share the difference; the memory freed."""
-    out = subprocess.run([sys.executable, "-m", "ftmem.cli", "bench", "savecall", "--tiny", "--shm-dir", shm_dir],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    lines = out.stdout.strip().splitlines()
-    assert lines[-1].startswith("RESULT ") and sum(ln.startswith("RESULT") for ln in lines) == 1
-    result = {k: float(v) for k, v in (kv.split("=") for kv in lines[-1].split()[1:])}
+    result = result_figures(run_cli("bench", "savecall", "--tiny", "--shm-dir", shm_dir))
     for name in ("deepspeed", "megatron"):
         figures = {key.removeprefix(f"{name}_"): value for key, value in result.items() if key.startswith(name)}
         assert set(figures) == {"tensors_n", "call_s", "call_max_s", "default_s", "framework_s", "ftmem_share_s",
