@@ -74,7 +74,7 @@ import torch.distributed as dist
 from ftmem._common import testhooks
 from ftmem._common.collective import Arrivals, collective_timeout_s, posted_within
 from ftmem._common.logs import job_info, rank_warning
-from ftmem._state.checksum import data_checksum
+from ftmem._state.checksum import data_checksum_and_cpu
 from ftmem._state.copier import SlotWindows, copy_bound_s, copy_into_slot
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
@@ -420,6 +420,7 @@ class Committer:
     def _copy_into(self, save: _Save, slot: int) -> None:
         """Copy ``save`` into ``slot``, then checksum what was written and commit it."""
         version = save.record.version
+        began = time.thread_time()
         self.store.drop_slot(slot)  # what the slot held becomes invisible first
         slot_bytes = self.memory.bytes_of(slot)
         if any(t.is_cuda for t in save.tensors):
@@ -435,8 +436,10 @@ class Committer:
         save.handle._set_reusable()
         # Taken from the slot before the marker exists: a version is never committed
         # without the checksum of exactly what was written (ftmem._shm.integrity).
-        record = dataclasses.replace(save.record, checksum=data_checksum(slot_bytes.numpy()[: save.record.plan.nbytes]))
+        checksum, checksum_cpu = data_checksum_and_cpu(slot_bytes.numpy()[: save.record.plan.nbytes])
+        record = dataclasses.replace(save.record, checksum=checksum)
         self.store.write_commit(record)
+        save.handle.cpu_s = time.thread_time() - began + checksum_cpu
         # Before the protection thread may see the commit: nothing but the marker exists yet.
         testhooks.at("after_commit", self.rank, version)
         with self._cv:

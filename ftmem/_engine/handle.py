@@ -23,7 +23,10 @@ class SaveHandle:
 
     ``copy_s`` and ``protect_s`` say how long each part took (None until it is done): from
     the start of the copy to reusable, and from reusable to protected (checksum, commit
-    marker, the wait behind an older version's protection, parity, agreement).
+    marker, the wait behind an older version's protection, parity, agreement). ``cpu_s``
+    is the CPU time ftmem's threads spent on the save's bytes until it was committed: the
+    copy, the checksum (on every thread that took part) and the commit marker (None until
+    then, and for a save skipped).
     """
 
     def __init__(self, version: int, ref: Optional[VersionRef] = None, copy_bound_s: Optional[float] = None,
@@ -38,6 +41,7 @@ class SaveHandle:
         self._started = time.monotonic()
         self.copy_s: Optional[float] = None
         self.protect_s: Optional[float] = None
+        self.cpu_s: Optional[float] = None
         self.skipped = False  # no slot was free: nothing was copied (two slots, a protection running)
         self.protected = False  # this very save was protected (not only a newer one)
 

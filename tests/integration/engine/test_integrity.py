@@ -14,7 +14,7 @@ from harness.common import flip_byte, job_id, make_engine, run_cli
 from harness.ranks import wait_until
 from ftmem import NotRecoverableFromMemory
 from ftmem._common import testhooks
-from ftmem._state.checksum import DATA_CHUNK, checksum, data_checksum
+from ftmem._state.checksum import DATA_CHUNK, checksum, data_checksum, data_checksum_and_cpu
 from ftmem._shm.procs import pid_alive
 from ftmem._shm.slots import PARITY, RankStore
 from ftmem._shm.smp_client import running_smp
@@ -100,6 +100,31 @@ def test_the_data_checksum_sees_a_flip_in_any_chunk_whatever_buffer_holds_the_by
         data[at] ^= 1
     assert data_checksum(data) == whole
     assert data_checksum(data[:DATA_CHUNK]) != data_checksum(data[: DATA_CHUNK + 1])
+    # The CPU its threads spent is counted (none where the caller took the one chunk itself).
+    digest, cpu = data_checksum_and_cpu(data)
+    assert digest == whole and cpu > 0
+    assert data_checksum_and_cpu(data[:DATA_CHUNK]) == (data_checksum(data[:DATA_CHUNK]), 0.0)
+
+
+def test_a_save_counts_the_cpu_its_copy_and_checksum_took_on_every_thread(shm_dir):
+    """A save of three checksum chunks into a slot used before: its CPU time counts the copy
+    thread's (at least what a copy of the same bytes into touched memory takes) and the
+    checksum threads' (seen failing with the latter left out)."""
+    import time
+
+    engine = make_engine(shm_dir)
+    w = torch.ones(3 * DATA_CHUNK // 4)
+    handles = [engine.save({"w": w}, version) for version in range(1, 5)]  # version 4 reuses version 1's slot
+    assert handles[0].cpu_s is None  # until committed
+    engine.wait_protected()
+    copy, into = [], torch.ones_like(w)
+    for _ in range(3):
+        began = time.thread_time()
+        into.copy_(w)
+        copy.append(time.thread_time() - began)
+    checksum_alone = min(data_checksum_and_cpu(w.numpy())[1] for _ in range(3))
+    assert handles[-1].cpu_s > min(copy) + checksum_alone / 2, (handles[-1].cpu_s, min(copy), checksum_alone)
+    engine.close(job_finished=True)
 
 
 @pytest.mark.fault("shared memory damaged", phase="after the commit, before parity", framework="engine (toy trainer)",
