@@ -101,7 +101,7 @@ def _redirect_log_handlers(old, new) -> None:
 def _become(request: dict, channel: list) -> None:
     """Turn this fresh child into the rank the request describes."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it; a rank does not
-    for f in channel:  # the server's stdin and stdout (their descriptors stay open: dup2 replaces them)
+    for f in channel:  # the server's stdin and its replies (stdin's descriptor stays open: dup2 replaces it)
         f.close()
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -130,9 +130,13 @@ def _become(request: dict, channel: list) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C to the test session ends it, which closes stdin
+    # The replies keep stdout's pipe to themselves: whatever the server's process prints goes to
+    # stderr instead (DeepSpeed 0.17's logger writes a line to stdout at import), never into them.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     _preload(sys.argv[1])
-    channel = [sys.stdin, sys.stdout]
-    rank = _serve(sys.stdin, sys.stdout)
+    channel = [sys.stdin, replies]
+    rank = _serve(sys.stdin, replies)
     _become(rank, channel)
     del channel
     # As ``python -m``: an uncaught exception reaches sys.excepthook, SystemExit gives the code.
