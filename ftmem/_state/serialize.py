@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copyreg
+import importlib
 import io
 import operator
 import pickle
@@ -46,11 +47,15 @@ _PLAIN.update({
     "numpy.ndarray": np.ndarray,
     "numpy.dtype": np.dtype,
 })
-_NP_CORE = np._core if hasattr(np, "_core") else np.core  # numpy 2 renamed it; pickles name either
+# numpy 2 renamed numpy.core to numpy._core, and pickles name either; numpy 1.26's numpy._core
+# is only a shim of some of its modules, so the functions come from the package that holds them.
+_NP_CORE = "numpy._core" if int(np.__version__.split(".")[0]) >= 2 else "numpy.core"
+_NP_MULTIARRAY = importlib.import_module(f"{_NP_CORE}.multiarray")
+_NP_NUMERIC = importlib.import_module(f"{_NP_CORE}.numeric")
 for _core in ("numpy._core", "numpy.core"):
-    _PLAIN.update({f"{_core}.multiarray._reconstruct": _NP_CORE.multiarray._reconstruct,
-                   f"{_core}.multiarray.scalar": _NP_CORE.multiarray.scalar,
-                   f"{_core}.numeric._frombuffer": _NP_CORE.numeric._frombuffer})
+    _PLAIN.update({f"{_core}.multiarray._reconstruct": _NP_MULTIARRAY._reconstruct,
+                   f"{_core}.multiarray.scalar": _NP_MULTIARRAY.scalar,
+                   f"{_core}.numeric._frombuffer": _NP_NUMERIC._frombuffer})
 
 
 def admitted_globals() -> dict[str, Any]:
