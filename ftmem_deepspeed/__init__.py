@@ -26,14 +26,20 @@ from __future__ import annotations
 import functools
 import inspect
 
-import deepspeed.runtime.checkpoint_engine.utils as ds_utils
-import deepspeed.runtime.engine as ds_engine
+from ftmem.adapter import check_versions
 
-from ftmem_guard import selects_ftmem
+# Before anything of DeepSpeed's that a release may lack is imported: a DeepSpeed too old or
+# too new for ftmem is refused here, naming what it lacks, not by an ImportError further down.
+check_versions("deepspeed")
 
-from .checkpoint_engine import FtmemCheckpointEngine
-from .serve import install_torch_load_hook
-from .targets import restore_targets
+import deepspeed.runtime.checkpoint_engine.utils as ds_utils  # noqa: E402
+import deepspeed.runtime.engine as ds_engine  # noqa: E402
+
+from ftmem_guard import selects_ftmem  # noqa: E402
+
+from .checkpoint_engine import FtmemCheckpointEngine  # noqa: E402
+from .serve import install_torch_load_hook  # noqa: E402
+from .targets import restore_targets  # noqa: E402
 
 
 def install() -> None:

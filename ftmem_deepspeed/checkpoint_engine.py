@@ -76,6 +76,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._files: dict[str, Any] = {}
         self._replicated: set[int] = set()
         self._written_in_forward: set[int] = set()
+        self._creating: Optional[CheckpointCommitInfo] = None  # the save since create
         self._loads: Optional[DeepSpeedLoads] = None  # the load side, once the runtime started
         self._dir: Optional[str] = None  # the save dir: the job's origin
         self._pid = os.getpid()
@@ -97,6 +98,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         # The runtime starts at commit: only then is it known whether this is a checkpoint
         # (whose save dir is the job's origin) or an export to some other directory.
         self._files, self._replicated, self._written_in_forward = {}, set(), set()
+        self._creating = info
 
     def makedirs(self, path, exist_ok=False) -> None:
         os.makedirs(path, exist_ok=exist_ok)
@@ -123,6 +125,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
         (``save_16bit_model``: one file on rank 0, nothing on the others), and a save into
         a directory other than the job's save dir (its versions are numbered by global
         step: a snapshot of the same step would replace the one the save dir's stubs name)."""
+        if isinstance(info, str):  # DeepSpeed 0.17 commits with the tag alone, of the info create was given
+            info = self._creating
         files, replicated, written_in_forward = self._files, self._replicated, self._written_in_forward
         self._files, self._replicated, self._written_in_forward = {}, set(), set()
         self.loaded()  # files served by path are of the versions before this one

@@ -16,6 +16,7 @@ import torch
 
 from ftmem.adapter import FrameworkFormat, save_atomically, write_atomically
 
+# What DeepSpeed's own save copies beside ``latest`` (zero_to_torch.py from DeepSpeed 0.19 on).
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
@@ -49,9 +50,10 @@ class DeepSpeedFormat(FrameworkFormat):
     def publish(self, root: str, name: str) -> None:
         """Point DeepSpeed at ``<root>/<name>``: ``latest``, and the recovery scripts beside it."""
         scripts = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
-        for script in RECOVERY_SCRIPTS:  # where DeepSpeed puts them
-            with open(os.path.join(scripts, script), "rb") as f:
-                write_atomically(os.path.join(root, script), f.read())
+        for script in RECOVERY_SCRIPTS:  # where DeepSpeed puts those this release has
+            if os.path.exists(os.path.join(scripts, script)):
+                with open(os.path.join(scripts, script), "rb") as f:
+                    write_atomically(os.path.join(root, script), f.read())
         write_atomically(os.path.join(root, "latest"), name.encode())
 
     def read_rng(self, directory: str, rank: int):

@@ -27,17 +27,34 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from megatron.core import parallel_state
-from megatron.core.utils import unwrap_model
 
 from ftmem import ConfigError, LayoutMismatch, ParallelLayout, Restored, RestoreTimes, SaveHandle
 from ftmem.adapter import (DISK, MEMORY, SCRATCH, Adopted, AdapterRuntime, DiskCheckpoint, OtherWorlds, Resumption,
-                           collection_deferred, gather_dp_groups, rank_info)
+                           DISTRIBUTED_OPTIMIZER, check_versions, collection_deferred, gather_dp_groups, rank_info,
+                           require_for)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
 from .sharded_state import (ReplicatedPaths, from_snapshot, local_tensors, pieces_by_key, tensors_at,
                             to_snapshot)
 from .torch_checkpoint import RELEASE, read_tracker
+
+try:
+    from megatron.core.utils import unwrap_model
+except ImportError:  # megatron-core < 0.14 left the helper to Megatron-LM (megatron.training.utils)
+    def unwrap_model(model: list) -> list:
+        """The model chunks without the wrappers megatron-core puts around them (its DDP and
+        Float16Module), peeled as megatron-core's own helper does from 0.14 on."""
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = []
+        for chunk in model:
+            while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+                chunk = chunk.module
+            chunks.append(chunk)
+        return chunks
+
 
 # Args a resumed job must share with the one that saved (beyond the parallel layout,
 # which the engine checks, and the tensors' places, which the templates check).
@@ -101,11 +118,16 @@ def _give_distributed_optimizer_a_state(optimizer) -> None:
     per parameter, and a fresh Adam has none. megatron-core's own remedy (used for its
     fsdp_dtensor format) is a step with zero gradients; what it writes is overwritten by
     the load that follows."""
+    for part in _distributed_parts(optimizer):
+        if not part.optimizer.state:
+            part._init_optimizer_states_with_dummy_values()
+
+
+def _distributed_parts(optimizer) -> list:
+    """The DistributedOptimizers in ``optimizer`` (one, or those it chains)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(part, DistributedOptimizer) and not part.optimizer.state:
-            part._init_optimizer_states_with_dummy_values()
+    return [part for part in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(part, DistributedOptimizer)]
 
 
 class _AllocatedNotZeroed(TorchFunctionMode):
@@ -157,7 +179,10 @@ def _sharded_state(model: list, optimizer, placeholders: Optional[list] = None) 
         placeholders.extend(_give_optimizer_placeholders(optimizer))
     state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+        # Only the distributed optimizer reads the metadata, and megatron-core before 0.13 takes
+        # none (ftmem needs 0.15 with the distributed optimizer: MegatronCheckpointer checks).
+        metadata = {"metadata": OPTIMIZER_METADATA} if _distributed_parts(optimizer) else {}
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, **metadata)
     return state
 
 
@@ -185,6 +210,9 @@ class MegatronCheckpointer:
     """One rank's in-memory checkpoints for Megatron (collective construction)."""
 
     def __init__(self, args):
+        check_versions("megatron-core")
+        if getattr(args, "use_distributed_optimizer", False):
+            require_for(DISTRIBUTED_OPTIMIZER, "megatron-core")
         persist_dir = args.save if flushes_from_memory(args) else None
         # Megatron-LM's loop ends without calling finish(args): at exit, the runtime asks the
         # save dir's tracker whether Megatron's own save holds the newest version.

@@ -31,6 +31,8 @@ import megatron.training.async_utils as mlm_async_utils
 import megatron.training.checkpointing as mlm_checkpointing
 from megatron.training.global_vars import get_args
 
+from ftmem.adapter import check_versions
+
 from . import checkpointing as ftmem_checkpointing
 from .arguments import IN_MEMORY, add_ftmem_args, in_memory, validate_ftmem_args
 from .format import flushes_from_memory
@@ -43,6 +45,7 @@ def install() -> None:
     """Install the hooks (idempotent; nothing to do on a Megatron-LM with the patch)."""
     if getattr(mlm_checkpointing, "FTMEM_NATIVE", False) or getattr(mlm_arguments.validate_args, "_ftmem", False):
         return
+    check_versions("megatron-lm")
     _install_arguments()
     _install_checkpointing()
 

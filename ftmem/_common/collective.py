@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftmem._common import open_files, testhooks
+from ftmem._common import compat, open_files, testhooks
 from ftmem._common.agreement import Decision
 from ftmem._common.job_store import own_connection
 from ftmem.config import INTERFACE_ENV, seconds_from_env
@@ -200,6 +200,7 @@ def new_group(ranks: Optional[Sequence[int]] = None, *, interface: Optional[str]
 
 def _bound_to(interface: str) -> dist.ProcessGroupGloo._Options:
     """The options of a gloo group whose bytes take ``interface`` (for :data:`BOUND_GLOO`)."""
+    compat.require_for(compat.GLOO_BINDING, "torch")
     if BOUND_GLOO not in dist.Backend.backend_list:  # the tensors gloo takes (CUDA's too, copied through the CPU)
         dist.Backend.register_backend(BOUND_GLOO, _make_bound_gloo, extended_api=True,
                                       devices=list(dist.Backend.backend_capability[dist.Backend.GLOO]))

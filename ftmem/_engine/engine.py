@@ -34,7 +34,7 @@ from ftmem._state.destinations import RestoreTargets
 from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
-from ftmem._common import exit_status, open_files
+from ftmem._common import compat, exit_status, open_files
 from ftmem._common.agreement import unanimous
 from ftmem._common.collective import Arrivals, collective_timeout_s, gather, new_group
 from ftmem._common.logs import job_info, rank_warning
@@ -99,6 +99,7 @@ class SnapshotEngine:
         format: Optional[str] = None,
         origin: Optional[str] = None,
     ):
+        compat.check("torch")
         self.config = config if isinstance(config, FtmemConfig) else FtmemConfig.from_dict(config)
         # The waits the environment may set, read now: a bad value stops the job at its start, not where it waits.
         finish_timeout_s(), collective_timeout_s(), self.config.failure_detection.resolve()

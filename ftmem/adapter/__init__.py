@@ -3,6 +3,7 @@ the runtime around the engine (:class:`AdapterRuntime` and its resume decision),
 helpers every adapter needs. An adapter imports from here, from ``ftmem`` and from
 ``ftmem.errors``, never from an internal package (tests/unit/test_structure.py checks it).
 """
+from ftmem._common.compat import CPU_SUPPORT, DISTRIBUTED_OPTIMIZER, check as check_versions, require_for
 from ftmem._common.logs import job_info, rank_info, restored_from_disk, restored_from_memory
 from ftmem._common.parallel import ParallelLayout, gather_dp_groups
 from ftmem._disk.format import FrameworkFormat
@@ -23,6 +24,7 @@ from ftmem.config import DP_SHARD_CHOICES, FtmemConfig
 
 __all__ = [
     "AdapterRuntime", "Resumption", "ResumeSource", "MEMORY", "DISK", "SCRATCH", "DiskCheckpoint", "check_startup",
+    "check_versions", "require_for", "CPU_SUPPORT", "DISTRIBUTED_OPTIMIZER",
     "FrameworkFormat", "RestoreTargets", "TensorPlace", "Adopted", "OtherWorlds",
     "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes", "VersionRef",
     "collection_deferred", "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins",

@@ -21,6 +21,8 @@ import functools
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ftmem.adapter import CPU_SUPPORT, require_for
+
 _enabled = False
 
 
@@ -29,6 +31,7 @@ def enable() -> None:
     global _enabled
     if _enabled or torch.cuda.is_available():
         return
+    require_for(CPU_SUPPORT, "megatron-core")
     _answer_current_device_with_cpu()
     _redirect_cuda_device_arguments()
     _use_cpu_rng_tracker()
@@ -101,7 +104,8 @@ def _use_cpu_rng_tracker() -> None:
             # the forked stream *is* the CPU generator, so that check does not apply.
             if name not in self.states_:
                 raise Exception(f"rng state {name} is not added")
-            outside, outside_name = torch.get_rng_state(), self._current_state_name
+            # megatron-core 0.16 names the stream in use (its own fork sets the name); 0.15 and before do not.
+            outside, outside_name = torch.get_rng_state(), getattr(self, "_current_state_name", None)
             torch.set_rng_state(self.states_[name])
             self._current_state_name = name
             try:

@@ -44,6 +44,8 @@ from datetime import timedelta
 
 import torch
 
+from ftmem.adapter import CPU_SUPPORT, require_for
+
 from . import core as cpu_core
 
 _enabled = False
@@ -54,6 +56,7 @@ def enable() -> None:
     global _enabled
     if _enabled or torch.cuda.is_available():
         return
+    require_for(CPU_SUPPORT, "megatron-lm")
     cpu_core.enable()
     import megatron.training.arguments as mlm_arguments
     import megatron.training.initialize as mlm_initialize
