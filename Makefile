@@ -8,7 +8,7 @@ DEEPSPEED_PIN ?= deepspeed==0.19.8
 # megatron-core >= 0.17 needs Python >= 3.12; 0.16.1 is the newest for 3.11.
 MEGATRON_PIN ?= megatron-core==0.16.1
 
-.PHONY: install demo test test-faults test-gpu clean-shm megatron-lm docs
+.PHONY: install demo test test-faults test-compat test-gpu clean-shm megatron-lm docs
 
 install: $(VENV)/.installed
 
@@ -46,6 +46,14 @@ test: install megatron-lm
 test-faults: install megatron-lm
 	$(PY) -m pytest -q -ra --durations=30 --full-faults -m fault --fault-report build/fault-campaign.json tests; \
 	status=$$?; $(PY) -m tests.harness.campaign build/fault-campaign.json && exit $$status
+
+# The compatibility matrix's smoke tier (tests/harness/compat_matrix.py, the tests marked
+# `compat`) on each version set of docs/compatibility.md, each in a fresh environment from the
+# package index under build/compat; its table goes to build/compat/matrix.md. SETS="a b" runs
+# only those. Not part of `make test`: it downloads several GB (older torch are CUDA wheels).
+SETS ?=
+test-compat: install megatron-lm
+	$(PY) tests/harness/compat_matrix.py $(SETS)
 
 clean-shm: install
 	$(VENV)/bin/ftmem clean --all

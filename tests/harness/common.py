@@ -37,6 +37,16 @@ def leftover_smps() -> list[int]:
 _REFERENCE_RUNS: dict = {}
 
 
+class StockFailed(AssertionError):
+    """A reference run without ftmem failed: the framework's default engine itself does not run
+    this job here (``make test-compat`` reports the test as failing stock, not with ftmem)."""
+
+    def __init__(self, what: str, log: str):
+        errors = [ln for ln in log.splitlines() if "Error" in ln]
+        super().__init__(f"{what} failed without ftmem: {errors[-1].strip() if errors else 'see its log'}\n"
+                         f"{log[-5000:]}")
+
+
 def run_once(key: tuple, run):
     """``run()``'s result, run once per session for each ``key``. For the uninterrupted
     reference runs that bitwise tests compare against: they are deterministic, only read

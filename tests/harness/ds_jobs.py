@@ -4,7 +4,7 @@ import json
 import os
 import textwrap
 
-from .common import job_id, run_once
+from .common import StockFailed, job_id, run_once
 from .ranks import REPO, LocalJob
 
 ITERS, STOP, TIMEOUT = 6, 3, 300
@@ -51,7 +51,8 @@ def reference(config, world, root, env=None, extra=()):
 
 def _reference(config, world, root, env, extra):
     job = DSJob(config, world, None, root, stock=True, env=env)
-    assert job.run(*extra) == [0] * world, job.log(0)[-5000:]
+    if job.run(*extra) != [0] * world:
+        raise StockFailed(f"DeepSpeed's default engine ({config}, {world} ranks)", job.log(0))
     for rank in range(world):
         assert "checkpoint engine TorchCheckpointEngine" in job.log(rank), job.log(rank)[-3000:]
         assert f"rank {rank}: ftmem modules loaded: none" in job.log(rank), job.log(rank)[-3000:]

@@ -24,8 +24,9 @@ from harness.megatron_jobs import ITERS, STOP, TIMEOUT, MegatronJob, reference
                                                   "--ftmem-ec-m", "1"], 3, 2),
     # TP 2 x DP 2 on 4 virtual nodes, k=2, m=1; replicated weights and optimizer state
     # are kept once across the DP replicas.
-    (4, ["--tensor-model-parallel-size", "2"], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "2",
-                                                "--ftmem-ec-m", "1", "--ftmem-dp-shard", "on"], 2, 2),
+    pytest.param(4, ["--tensor-model-parallel-size", "2"], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "2",
+                                                         "--ftmem-ec-m", "1", "--ftmem-dp-shard", "on"], 2, 2,
+                 marks=pytest.mark.compat),
     # DP 2 with megatron-core's DistributedOptimizer: its state is split, not replicated.
     (2, ["--use-distributed-optimizer"], ["--ftmem-ranks-per-node", "1", "--ftmem-ec-k", "1", "--ftmem-ec-m", "1",
                                           "--ftmem-dp-shard", "on"], 1, 2),
