@@ -17,6 +17,7 @@ import pkgutil
 import re
 import sys
 import textwrap
+from importlib import metadata
 from importlib.metadata import entry_points
 from typing import Optional
 
@@ -25,6 +26,7 @@ from ftmem import capacity
 from ftmem._ec import survival
 from ftmem.config import DP_SHARD_CHOICES, MAX_COUNT, MAX_EC_NODES, SHM_DIR_ADVICE, shm_dir_problem
 from ftmem.errors import ConfigError, FtmemError
+from ftmem._common import compat
 from ftmem._common.identity import check_job_id, job_root
 from ftmem._common.units import fmt_bytes
 
@@ -317,9 +319,20 @@ def _cmd_demo(args) -> int:
     return _run_tool("demo", "demo", args.args)
 
 
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(f"ftmem {metadata.version('ftmem')}\n{compat.installed()}\n")
+        parser.exit(0)
+
+
 def parser() -> Parser:
     """The command's parser: a subcommand each, its flags typed and ranged."""
     top = Parser(prog="ftmem", description="In-memory fault tolerance for training jobs.")
+    top.add_argument("--version", action=_Version, help="ftmem's version, and the installed torch, DeepSpeed and "
+                     "megatron-core with whether ftmem was tested with them (docs/compatibility.md)")
     sub = top.add_subparsers(dest="command", required=True)
     _add_memory_commands(sub)
     _add_tools(sub)

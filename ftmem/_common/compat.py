@@ -197,5 +197,17 @@ def check(package: str) -> None:
     _checked.add(package)
 
 
+def installed() -> str:
+    """The packages of the matrix installed here, each with whether ftmem was tested with its
+    release (``ftmem --version``)."""
+    found = []
+    for package in TESTED:
+        release = version(package)
+        if release is not None:
+            tested = _minor(release) in {_minor(t) for t in TESTED[package]}
+            found.append(f"{package} {release} ({'tested' if tested else 'not tested'})")
+    return ", ".join(found)
+
+
 def _tested_text(package: str) -> str:
     return ", ".join(f"{t}.x" for t in TESTED.get(package, ())) or "no release tested"

@@ -5,6 +5,7 @@ import threading
 import time
 from typing import Optional
 
+from ftmem._common.deprecation import Renamed
 from ftmem.errors import FtmemError
 from ftmem._shm.slots import VersionRef
 
@@ -61,6 +62,9 @@ class SaveHandle:
 
     def wait_protected(self, timeout: Optional[float] = None) -> None:
         self._wait(self._done, timeout, "waiting to be protected")
+
+    # Its name until protection moved behind the saves (0.1.0): it waited for every rank to commit.
+    wait_committed = Renamed("wait_protected", since="0.2.0", removed_in="0.3.0")
 
     def _wait(self, event: threading.Event, timeout: Optional[float], doing: str) -> None:
         if not event.wait(timeout):
