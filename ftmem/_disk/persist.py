@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from ftmem._common import open_files, testhooks
+from ftmem._common import open_files, testhooks, threads
 from ftmem._common.collective import first_problem, new_group
 from ftmem.errors import ConfigError, FtmemError
 from ftmem._disk.durable import Written
@@ -170,8 +170,7 @@ class Flusher:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self, version: int, state: Any) -> None:
-        self._thread = threading.Thread(target=self._flush, args=(version, state), name="ftmem-flush", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._flush, "ftmem-flush", (version, state))
 
     def wait(self) -> None:
         if self._thread is not None:

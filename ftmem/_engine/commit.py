@@ -71,7 +71,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ftmem._common import testhooks
+from ftmem._common import testhooks, threads
 from ftmem._common.collective import Arrivals, collective_timeout_s, posted_within
 from ftmem._common.logs import job_info, rank_warning
 from ftmem._state.checksum import data_checksum_and_cpu
@@ -228,8 +228,7 @@ class Committer:
         # whose workers the interpreter joins at its exit, so that a copy stuck on a device
         # would keep the process from ending.
         self._to_copy: "queue.SimpleQueue[Optional[_Save]]" = queue.SimpleQueue()
-        self._copier = threading.Thread(target=self._copy_loop, name="ftmem-copy", daemon=True)
-        self._copier.start()
+        self._copier = threads.start(self._copy_loop, "ftmem-copy")
         self._protector: Optional[threading.Thread] = None  # started by the first save
         self._side_streams: dict = {}  # CUDA device -> the stream device-to-host copies run on
         self._windows = SlotWindows()
@@ -353,8 +352,7 @@ class Committer:
     def _start_protecting(self) -> None:
         """(under _cv) The protection thread, at the first save or preemption."""
         if self._protector is None:
-            self._protector = threading.Thread(target=self._protect_loop, name="ftmem-protect", daemon=True)
-            self._protector.start()
+            self._protector = threads.start(self._protect_loop, "ftmem-protect")
 
     def _until_copied(self, saves) -> None:
         """(under _cv) Until the copy thread is done with ``saves``; the first whose copy runs

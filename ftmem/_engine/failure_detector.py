@@ -46,7 +46,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ftmem._common import exit_status
+from ftmem._common import exit_status, threads
 from ftmem._common.agreement import Decision
 from ftmem._common.job_store import StoreGone, own_connection, store_name
 from ftmem._common.logs import flush_logs, log, rank_error
@@ -94,7 +94,7 @@ class FailureDetector:
         self._store.set(self._key + f"host/{rank}", socket.gethostname())
         atexit.register(self._at_exit)
         for target, name in ((self._beat, "ftmem-heartbeat"), (self._judge, "ftmem-failure-judge")):
-            threading.Thread(target=target, name=name, daemon=True).start()
+            threads.start(target, name)
 
     @classmethod
     def start(cls, timeout_s: Optional[float], run: str, rank: int, world_size: int,
@@ -184,9 +184,7 @@ class FailureDetector:
         """Whether the store takes a new connection within a beat (the beats then take it): the
         beats' own connection may be the one that is stuck (a call lost on the way), not the store."""
         took: list[bool] = []
-        probe = threading.Thread(target=lambda: took.append(self._reconnect()), name="ftmem-failure-probe",
-                                 daemon=True)
-        probe.start()
+        probe = threads.start(lambda: took.append(self._reconnect()), "ftmem-failure-probe")
         probe.join(self.interval_s)
         if not took or not took[0]:
             return False
@@ -228,8 +226,7 @@ class FailureDetector:
         def put() -> None:
             held[0] = self._verdict_decision().propose(verdict)
 
-        putter = threading.Thread(target=put, name="ftmem-failure-verdict", daemon=True)
-        putter.start()
+        putter = threads.start(put, "ftmem-failure-verdict")
         putter.join(self.interval_s)
         return held[0]
 

@@ -44,6 +44,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ftmem._common import threads
 from ftmem._common.agreement import READ_WAIT_S, Decision
 from ftmem._common.identity import RankIdentity
 from ftmem._common.logs import flush_logs, job_info, rank_info, rank_warning
@@ -179,8 +180,7 @@ class PreemptionWatch:
                  reader: socket.socket, writer: socket.socket, previous):
         self.signum, self.grace_s, self.rank, self._previous = signum, grace_s, rank, previous
         self._on_signal, self._reader, self._writer = on_signal, reader, writer
-        self._thread = threading.Thread(target=self._watch, name="ftmem-preemption", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._watch, "ftmem-preemption")
 
     @classmethod
     def install(cls, config: PreemptionConfig, rank: int,
@@ -252,9 +252,7 @@ class PreemptionWatch:
 
     def _act(self) -> None:
         deadline = time.monotonic() + self.grace_s
-        worker = threading.Thread(target=self._on_signal, args=(self.signum, deadline),
-                                  name="ftmem-preemption-flush", daemon=True)
-        worker.start()
+        worker = threads.start(self._on_signal, "ftmem-preemption-flush", (self.signum, deadline))
         worker.join(max(0.0, deadline - time.monotonic()))
         if worker.is_alive():
             say_grace_ended(self.rank, self.grace_s)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ftmem._shm import integrity
-from ftmem._common import testhooks
+from ftmem._common import testhooks, threads
 from ftmem._state.reader import read_from_slot
 from ftmem._state.destinations import destinations, saved_shape
 from ftmem.errors import CorruptShard, FtmemError, LayoutMismatch, NotRecoverableFromMemory
@@ -323,7 +323,7 @@ class Restorer:
             tensors = read_from_slot(slot_bytes, plan, device,
                                      lambda: gather_replicated(plan, slot_bytes, self.peers, dests), dests)
         else:
-            with ThreadPoolExecutor(1, thread_name_prefix="ftmem-gather") as pool:
+            with ThreadPoolExecutor(1, thread_name_prefix="ftmem-gather", initializer=threads.block_signals) as pool:
                 gathered = pool.submit(gather_replicated, plan, slot_bytes, self.peers, dests)
 
                 def wait_for_gather() -> torch.Tensor:

@@ -10,6 +10,8 @@ from typing import Optional
 
 import xxhash
 
+from ftmem._common import threads
+
 _DIGEST_CHARS = 16  # an xxh3-64 hex digest, zero-padded
 
 
@@ -33,7 +35,8 @@ def _hashers() -> ThreadPoolExecutor:
     global _pool, _pool_pid
     with _pool_lock:
         if _pool is None or _pool_pid != os.getpid():
-            _pool, _pool_pid = ThreadPoolExecutor(_DATA_THREADS, thread_name_prefix="ftmem-checksum"), os.getpid()
+            _pool, _pool_pid = ThreadPoolExecutor(_DATA_THREADS, thread_name_prefix="ftmem-checksum",
+                                                  initializer=threads.block_signals), os.getpid()
         return _pool
 
 
