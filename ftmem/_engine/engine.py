@@ -35,6 +35,7 @@ from ftmem.errors import FtmemError
 from ftmem._engine.handle import SaveHandle
 from ftmem._common.identity import RankIdentity
 from ftmem._common import compat, exit_status, open_files
+from ftmem._common.deprecation import Renamed
 from ftmem._common.agreement import unanimous
 from ftmem._common.collective import Arrivals, collective_timeout_s, gather, new_group
 from ftmem._common.logs import job_info, rank_warning
@@ -284,6 +285,9 @@ class SnapshotEngine:
         (one rank's all_reduce met another's all_gather: a hang, or numbers taken from the
         wrong call)."""
         self._committer.drain()
+
+    # 0.1.0's wait for the save in flight; waiting for its protection waits for that too.
+    wait = Renamed("wait_protected", since="0.2.0", removed_in="0.3.0")
 
     @property
     def anchor(self) -> Optional[int]:

@@ -63,7 +63,7 @@ class SaveHandle:
     def wait_protected(self, timeout: Optional[float] = None) -> None:
         self._wait(self._done, timeout, "waiting to be protected")
 
-    # Its name until protection moved behind the saves (0.1.0): it waited for every rank to commit.
+    # 0.1.0's wait for this rank's commit of the save; waiting for its protection waits for that too.
     wait_committed = Renamed("wait_protected", since="0.2.0", removed_in="0.3.0")
 
     def _wait(self, event: threading.Event, timeout: Optional[float], doing: str) -> None:

@@ -6,7 +6,7 @@ from importlib import metadata
 
 import pytest
 
-from ftmem import FtmemError, SaveHandle
+from ftmem import FtmemError, SaveHandle, SnapshotEngine
 from ftmem._common import compat, deprecation
 from harness.common import run_cli
 
@@ -24,6 +24,12 @@ def test_wait_committed_warns_with_its_new_name_and_waits_as_wait_protected():
     handle._fail(FtmemError("the protection failed"))
     with pytest.warns(DeprecationWarning), pytest.raises(FtmemError, match="the protection failed"):
         handle.wait_committed()
+
+
+def test_snapshot_engine_wait_warns_with_its_new_name_and_is_wait_protected():
+    with pytest.warns(DeprecationWarning, match=r"SnapshotEngine.wait is deprecated since ftmem 0.2.0, and goes in "
+                                                r"0.3.0: use SnapshotEngine.wait_protected"):
+        assert SnapshotEngine.wait is SnapshotEngine.wait_protected
 
 
 def test_every_alias_is_gone_by_the_release_it_names():
