@@ -11,17 +11,12 @@ import pytest
 from ftmem import restored_from_disk, restored_from_memory
 from ftmem._shm import jobs
 from harness.common import ANY, logged
-from harness.ds_jobs import ITERS, STOP, TIMEOUT, DSJob, reference
+from harness.ds_jobs import ITERS, STOP, TIMEOUT, DSJob, latest_tag, reference
 from harness.machine_faults import remount, slow_calls, tmpfs
 from harness.toy import assert_same_training
 
 WORLD = 2
 MIRRORED = {"ec": {"k": 1, "m": 1}}
-
-
-def latest(persist: str) -> str:
-    with open(os.path.join(persist, "latest")) as f:
-        return f.read()
 
 
 @pytest.mark.fault("persistent tier's disk turns read-only", phase="during a flush", framework="DeepSpeed ZeRO-1",
@@ -49,7 +44,7 @@ def test_a_disk_that_turns_read_only_mid_flush_loses_nothing_and_the_job_resumes
             held = {int(path.name.rsplit(".v", 1)[1]) for path in hooks.glob("paused.rank*.v*")}
             assert len(held) == 1, held  # every rank flushes the same versions
             version = held.pop()
-            before = latest(persist)  # one flush runs at a time: the older ones ended
+            before = latest_tag(persist)  # one flush runs at a time: the older ones ended
             remount(persist, "ro")
             fault_clock.injected()
             for r in range(WORLD):
@@ -64,7 +59,7 @@ def test_a_disk_that_turns_read_only_mid_flush_loses_nothing_and_the_job_resumes
         assert re.search(rf"version {version} was not flushed \(rank \d: Read-only file system \(EROFS\) writing "
                          rf"{re.escape(persist)}/\S+\); {before} stays the newest on disk", job.log(0)), \
             job.log(0)[-4000:]
-        assert latest(persist) == before and f"global_step{version}" not in os.listdir(persist)
+        assert latest_tag(persist) == before and f"global_step{version}" not in os.listdir(persist)
         remount(persist, "rw")
         assert job.run("--load") == [0] * WORLD, job.log(0)[-4000:]
         fault_clock.stepped()
@@ -93,7 +88,7 @@ def test_a_disk_slower_than_the_saves_skips_flushes_and_never_holds_the_training
         with slow_calls([p.pid for p in run.procs], ["fsync", "fdatasync"], SYNC_S):
             assert run.wait(TIMEOUT) == [0] * WORLD, run.tails()
     assert re.search(r"version \d+ not flushed: the previous flush is still running", job.log(0)), job.log(0)[-4000:]
-    assert latest(persist) == f"global_step{ITERS}"
+    assert latest_tag(persist) == f"global_step{ITERS}"
     assert_same_training(job.out, ref, WORLD, ITERS)
 
 
@@ -115,7 +110,7 @@ def test_a_preemption_flush_slower_than_the_grace_ends_with_it_and_the_older_che
                 ftmem={**MIRRORED, "persist": {"dir": persist, "interval": 3}, "preemption": {"grace_s": GRACE_S}})
     with job.start("--stop-after", str(STOP)) as run:
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(WORLD)), TIMEOUT, f"step {STOP}")
-        run.wait_for(lambda: os.path.exists(os.path.join(persist, "latest")) and latest(persist) == "global_step3",
+        run.wait_for(lambda: os.path.exists(os.path.join(persist, "latest")) and latest_tag(persist) == "global_step3",
                      TIMEOUT, "the flush of version 3")
         with slow_calls([p.pid for p in run.procs], ["fsync", "fdatasync"], 3 * GRACE_S):
             fault_clock.injected()
@@ -125,7 +120,7 @@ def test_a_preemption_flush_slower_than_the_grace_ends_with_it_and_the_older_che
             fault_clock.detected()
     assert any(f"the {GRACE_S} s of grace (\"ftmem.preemption.grace_s\") ended before the flush did" in job.log(r)
                for r in range(WORLD)), job.log(0)[-3000:]
-    assert latest(persist) == "global_step3"
+    assert latest_tag(persist) == "global_step3"
     for node in range(WORLD):
         jobs.lose_node(shm_dir, job.job, node)
     assert job.run("--load") == [0] * WORLD, job.log(0)[-4000:]
@@ -153,7 +148,7 @@ def test_a_full_disk_fails_the_flushes_by_name_and_never_the_training(shm_dir, t
                             rf"{re.escape(persist)}/\.global_step\d+\.tmp/\S+: this rank's files need about [\d.]+ MiB, "
                             r"and [\d.]+ MiB is free there\); global_step1 stays the newest on disk", job.log(0))
         assert str(ITERS) in failed, job.log(0)[-4000:]
-        assert latest(persist) == "global_step1"
+        assert latest_tag(persist) == "global_step1"
         assert not [name for name in os.listdir(persist) if name.startswith(".")], os.listdir(persist)
         # The newest version is not on disk: the job's end keeps it in memory, and says why.
         assert re.search(rf"keeps its newest version \({ITERS}\) in shared memory \(rank \d: the persistent tier "

@@ -11,18 +11,13 @@ import pytest
 from ftmem import restored_from_disk, restored_from_memory
 from ftmem._shm import jobs
 from harness.common import ANY, logged
-from harness.ds_jobs import ITERS, STOP, TIMEOUT, DSJob, reference
+from harness.ds_jobs import ITERS, STOP, TIMEOUT, DSJob, latest_tag, reference
 from harness.machine_faults import slow_calls
 from harness.toy import assert_same_training
 
 WORLD = 2
 MIRRORED = {"ec": {"k": 1, "m": 1}}
 GRACE_S = 30
-
-
-def latest(persist: str) -> str:
-    with open(os.path.join(persist, "latest")) as f:
-        return f.read()
 
 
 @pytest.mark.fault("rank SIGKILLed during a preemption's flush", phase="during a flush",
@@ -42,7 +37,7 @@ def test_a_rank_killed_during_the_preemption_flush_leaves_the_disk_as_it_was_and
     newest = STOP + 1
     with job.start("--stop-after", str(STOP)) as run:
         run.wait_for(lambda: all("stopped after" in run.log(r) for r in range(WORLD)), TIMEOUT, f"step {STOP}")
-        assert latest(persist) == "global_step3"
+        assert latest_tag(persist) == "global_step3"
         with slow_calls([p.pid for p in run.procs], ["fsync", "fdatasync"], 2):
             for proc in run.procs:
                 proc.send_signal(signal.SIGTERM)
@@ -53,7 +48,7 @@ def test_a_rank_killed_during_the_preemption_flush_leaves_the_disk_as_it_was_and
             assert run.wait(GRACE_S) == [-signal.SIGTERM, -signal.SIGKILL], run.tails()
             fault_clock.detected()
     assert re.search(rf"version {newest} was not flushed at SIGTERM \(", job.log(0)), job.log(0)[-3000:]
-    assert latest(persist) == "global_step3" and f"global_step{newest}" not in os.listdir(persist)
+    assert latest_tag(persist) == "global_step3" and f"global_step{newest}" not in os.listdir(persist)
     assert job.run("--load") == [0] * WORLD, job.log(0)[-4000:]
     fault_clock.stepped()
     for rank in range(WORLD):
@@ -90,7 +85,7 @@ def test_a_second_node_lost_during_the_restore_from_the_first_falls_back_to_the_
         codes = run.wait(TIMEOUT)
         fault_clock.detected()
     assert codes[2] == -signal.SIGKILL and all(code not in (0, None) for code in codes[:2]), run.tails()
-    assert latest(persist) == "global_step3"
+    assert latest_tag(persist) == "global_step3"
     assert job.run("--load") == [0] * world, job.log(0)[-5000:]
     fault_clock.stepped()
     for rank in range(world):

@@ -10,7 +10,7 @@ from ftmem import restored_from_memory
 from ftmem._engine.failure_detector import EXIT_CODE
 from harness import megatron_jobs
 from harness.common import logged, read_json
-from harness.ds_jobs import ITERS, TIMEOUT, DSJob, reference
+from harness.ds_jobs import ITERS, TIMEOUT, DSJob, rank0_copy_held, reference
 from harness.netns import two_hosts
 from harness.toy import assert_same_training
 
@@ -26,11 +26,6 @@ def job_on(hosts, shm_dir: str, tmp_path) -> tuple[DSJob, type]:
     return job, hosts.launcher(NETWORK)
 
 
-def held(hooks) -> dict:
-    """Rank 0's copy of version 3 held until the test lets it go (the rest of the job waits for it)."""
-    return {0: {"FTMEM_TEST_HOOK": "mid_copy:hold:rank=0:version=3", "FTMEM_TEST_HOOK_DIR": str(hooks)}}
-
-
 @pytest.mark.fault("network partition between hosts", phase="during the copy", framework="DeepSpeed ZeRO-1",
                    expect="goes on: a partition healed within the failure detector's timeout ends no rank, and "
                           "training is bitwise as without ftmem")
@@ -43,7 +38,7 @@ def test_a_partition_healed_within_the_detector_s_timeout_ends_no_rank(shm_dir, 
     hooks.mkdir()
     with two_hosts({NETWORK: "198.18.3"}) as hosts:
         job, launcher = job_on(hosts, shm_dir, tmp_path)
-        with job.start(rank_env=held(hooks), launcher=launcher) as run:
+        with job.start(rank_env=rank0_copy_held(hooks), launcher=launcher) as run:
             run.wait_for(lambda: (hooks / "paused.rank0.v3").exists(), TIMEOUT, "the copy of version 3")
             with hosts.partitioned():
                 time.sleep(DETECT_S / 3)
@@ -68,7 +63,7 @@ def test_a_partition_longer_than_the_detector_s_timeout_ends_every_rank_and_the_
     hooks.mkdir()
     with two_hosts({NETWORK: "198.18.3"}) as hosts:
         job, launcher = job_on(hosts, shm_dir, tmp_path)
-        with job.start(rank_env=held(hooks), launcher=launcher) as run:
+        with job.start(rank_env=rank0_copy_held(hooks), launcher=launcher) as run:
             run.wait_for(lambda: (hooks / "paused.rank0.v3").exists(), TIMEOUT, "the copy of version 3")
             with hosts.partitioned():
                 fault_clock.injected()
@@ -103,7 +98,7 @@ def test_a_partition_longer_than_the_detector_s_timeout_ends_every_megatron_rank
                                     shm_dir, str(tmp_path / "run"))
     with two_hosts({NETWORK: "198.18.4"}) as hosts:
         launcher = hosts.launcher(NETWORK)
-        with job.start(rank_env=held(hooks), launcher=launcher) as run:
+        with job.start(rank_env=rank0_copy_held(hooks), launcher=launcher) as run:
             run.wait_for(lambda: (hooks / "paused.rank0.v3").exists(), megatron_jobs.TIMEOUT, "the copy of iteration 3")
             with hosts.partitioned():
                 fault_clock.injected()

@@ -17,7 +17,7 @@ from ftmem import restored_from_memory
 from ftmem._engine.failure_detector import EXIT_CODE
 from harness import megatron_jobs
 from harness.common import logged, read_json
-from harness.ds_jobs import ITERS, TIMEOUT, DSJob, reference
+from harness.ds_jobs import ITERS, TIMEOUT, DSJob, rank0_copy_held, reference
 from harness.ranks import REPO
 from harness.toy import assert_same_training
 
@@ -70,11 +70,6 @@ def job_on(store: AgentStore, shm_dir: str, tmp_path) -> DSJob:
                  ftmem={**MIRRORED, "failure_detection": {"timeout_s": DETECT_S}})
 
 
-def held(hooks) -> dict:
-    """Rank 0's copy of version 3 held until the test lets it go (the rest of the job waits for it)."""
-    return {0: {"FTMEM_TEST_HOOK": "mid_copy:hold:rank=0:version=3", "FTMEM_TEST_HOOK_DIR": str(hooks)}}
-
-
 @pytest.mark.fault("job's store stalled (its host hung)", phase="during the copy", framework="DeepSpeed ZeRO-1",
                    expect="goes on: a store stopped for less than the failure detector's timeout ends no rank, and "
                           "training is bitwise as without ftmem")
@@ -87,7 +82,7 @@ def test_a_store_stalled_for_less_than_the_detector_s_timeout_ends_no_rank(shm_d
     hooks.mkdir()
     with AgentStore() as store:
         job = job_on(store, shm_dir, tmp_path)
-        with job.start(rank_env=held(hooks)) as run:
+        with job.start(rank_env=rank0_copy_held(hooks)) as run:
             run.wait_for(lambda: (hooks / "paused.rank0.v3").exists(), TIMEOUT, "the copy of version 3")
             with store.stopped():
                 time.sleep(DETECT_S / 2)
@@ -112,7 +107,7 @@ def test_a_store_stalled_for_longer_than_the_detector_s_timeout_ends_every_rank_
     hooks.mkdir()
     with AgentStore() as store:
         job = job_on(store, shm_dir, tmp_path)
-        with job.start(rank_env=held(hooks)) as run:
+        with job.start(rank_env=rank0_copy_held(hooks)) as run:
             run.wait_for(lambda: (hooks / "paused.rank0.v3").exists(), TIMEOUT, "the copy of version 3")
             with store.stopped():
                 fault_clock.injected()
@@ -148,7 +143,7 @@ def test_a_store_stalled_for_longer_than_the_detector_s_timeout_ends_every_megat
                                                 "1", "--ftmem-failure-detection-timeout-s", str(DETECT_S)],
                                     shm_dir, str(tmp_path / "run"))
     with AgentStore() as store:
-        with job.start(env=store.env(), rank_env=held(hooks)) as run:
+        with job.start(env=store.env(), rank_env=rank0_copy_held(hooks)) as run:
             run.wait_for(lambda: (hooks / "paused.rank0.v3").exists(), megatron_jobs.TIMEOUT, "the copy of iteration 3")
             with store.stopped():
                 fault_clock.injected()

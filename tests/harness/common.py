@@ -57,6 +57,11 @@ def run_once(key: tuple, run):
     return _REFERENCE_RUNS[key]
 
 
+def held_versions(shm_dir: str, job: str) -> dict:
+    """The versions each node of ``job`` holds in shared memory (``{}``: the job's memory is freed)."""
+    return {n["node"]: n["versions"] for n in jobs.status(shm_dir, job)["jobs"][0]["nodes"]}
+
+
 def new_shm_dir() -> str:
     path = TEST_SHM_PREFIX + uuid.uuid4().hex[:8]
     os.makedirs(path)

@@ -77,6 +77,18 @@ def stock_script(root, name: str, config, env: dict, world: int, job: str, iters
                                                             "--out", str(out), *extra], world, job, str(out), env=env)
 
 
+def latest_tag(directory: str) -> str:
+    """The tag DeepSpeed's ``latest`` in ``directory`` names."""
+    with open(os.path.join(directory, "latest")) as f:
+        return f.read()
+
+
+def rank0_copy_held(hooks) -> dict:
+    """Ranks' environments that hold rank 0's copy of version 3 until the test lets it go
+    (the rest of the job waits for it); ``hooks`` is the test hooks' folder."""
+    return {0: {"FTMEM_TEST_HOOK": "mid_copy:hold:rank=0:version=3", "FTMEM_TEST_HOOK_DIR": str(hooks)}}
+
+
 def config_pair(name: str, shm_dir: str, **ftmem) -> tuple[dict, dict]:
     """A config of configs/ with ftmem (its "ftmem" section updated), and without."""
     with open(os.path.join(CONFIGS, name)) as f:

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from harness.common import job_id, logged
+from harness.common import held_versions, job_id, logged
 from harness.ranks import LocalJob
 from ftmem import restored_from_memory
 from ftmem._engine.failure_detector import EXIT_CODE
@@ -36,10 +36,6 @@ def run(shm_dir, out, world: int, *args, job=None, env=None) -> LocalJob:
     return LocalJob("tests.harness.lifecycle_job", ["--out", str(out), *args], world, job, str(out),
                     env={"SHM_DIR": shm_dir, **(env or {})})
 
-
-def held(shm_dir, job) -> dict:
-    """The versions each node of ``job`` holds in shared memory (``{}``: the job's memory is freed)."""
-    return {n["node"]: n["versions"] for n in jobs.status(shm_dir, job)["jobs"][0]["nodes"]}
 
 
 def on_the_tier(persist) -> list:
@@ -82,7 +78,7 @@ def test_a_rank_that_dies_of_an_exception_or_a_non_zero_exit_is_reported_by_its_
         log = ranks.log(r)
         assert re.search(rf"node 2 \(host [^,]*, rank 2\) has not answered for \d+ s.*: ending this process "
                          rf"\(exit code {EXIT_CODE}\)", log), log[-3000:]
-    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2], 2: [1, 2]}  # no finish: kept for the restart
+    assert held_versions(shm_dir, job) == {0: [1, 2], 1: [1, 2], 2: [1, 2]}  # no finish: kept for the restart
 
 
 @pytest.mark.parametrize("end", ["exit42", "builtin-exit42"])
@@ -100,7 +96,7 @@ def test_a_non_zero_exit_on_every_rank_keeps_memory_for_the_restart_though_a_per
     tier = ("--persist", str(persist), "--persist-interval", "100")
     ended = run(shm_dir, tmp_path / "out", 2, "--steps", "3", *tier, "--end", end, job=job)
     assert ended.wait(TIMEOUT) == [42, 42], ended.tails()
-    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}, ended.tails()
+    assert held_versions(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}, ended.tails()
     assert on_the_tier(persist) == [], ended.tails()
     back = run(shm_dir, tmp_path / "out", 2, "--steps", "4", *tier, job=job)  # the same job: logs go on
     assert back.wait(TIMEOUT) == [0, 0], back.tails()
@@ -176,4 +172,4 @@ def test_a_sigterm_to_the_rank_that_serves_the_store_alone_ends_the_others_withi
         assert all("is gone: nothing listens there any more" in ranks.log(r) for r in (1, 2)), ranks.tails()
     else:
         assert codes == [1, 1], ranks.tails()
-    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2], 2: [1, 2]}  # no finish: kept for the restart
+    assert held_versions(shm_dir, job) == {0: [1, 2], 1: [1, 2], 2: [1, 2]}  # no finish: kept for the restart

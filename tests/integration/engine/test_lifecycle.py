@@ -15,7 +15,7 @@ import typing
 import pytest
 import torch
 
-from harness.common import flip_byte, job_id, logged
+from harness.common import flip_byte, held_versions, job_id, logged
 from harness.ranks import LocalJob, wait_until
 from ftmem import LayoutMismatch, restored_from_memory
 from ftmem._shm import jobs
@@ -43,9 +43,6 @@ def leaves_no_ftmem_thread(job: LocalJob) -> bool:
     return all(c is not None and int(c.group(2)) <= int(c.group(1)) for c in counts)
 
 
-def held(shm_dir, job):
-    return {n["node"]: n["versions"] for n in jobs.status(shm_dir, job)["jobs"][0]["nodes"]}
-
 
 def test_a_runtime_the_script_closed_does_not_end_again_at_exit(shm_dir, tmp_path):
     """A script may close the runtime itself (Megatron: ftmem_megatron.checkpointing.close).
@@ -55,7 +52,7 @@ def test_a_runtime_the_script_closed_does_not_end_again_at_exit(shm_dir, tmp_pat
     closed = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), "--persist-interval", "100",
                  "--end", "close", job=job)
     assert closed.wait(TIMEOUT) == [0, 0] and leaves_no_ftmem_thread(closed), closed.log(0) + closed.log(1)
-    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}  # closed without job_finished: kept for a restart
+    assert held_versions(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}  # closed without job_finished: kept for a restart
     assert not os.path.exists(persist / "newest") and not glob.glob(str(persist / "v*")), os.listdir(persist)
 
 
@@ -66,7 +63,7 @@ def test_sys_exit_keeps_the_newest_version_for_the_restart(shm_dir, tmp_path):
     job = job_id()
     ended = run(shm_dir, tmp_path, "--steps", "3", "--end", "exit1", job=job)
     assert ended.wait(TIMEOUT) == [1, 1] and leaves_no_ftmem_thread(ended), ended.log(1)
-    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
+    assert held_versions(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
     back = run(shm_dir, tmp_path, "--steps", "4", job=job)
     assert back.wait(TIMEOUT) == [0, 0], back.log(0)
     assert logged(restored_from_memory(3, 0), back.log(0)) and logged(restored_from_memory(3, 1), back.log(1))
@@ -94,14 +91,14 @@ def test_an_uncaught_exception_keeps_the_newest_version(shm_dir, tmp_path):
     job = job_id()
     ended = run(shm_dir, tmp_path, "--steps", "2", "--end", "raise", job=job)
     assert ended.wait(TIMEOUT) == [1, 1] and leaves_no_ftmem_thread(ended), ended.log(1)
-    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
+    assert held_versions(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
 
 
 def test_a_finish_without_a_persistent_tier_keeps_memory_and_says_how_to_free_it(shm_dir, tmp_path):
     job = job_id()
     done = run(shm_dir, tmp_path, "--steps", "2", job=job)
     assert done.wait(TIMEOUT) == [0, 0] and leaves_no_ftmem_thread(done), done.log(1)
-    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
+    assert held_versions(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
     assert (f"job {job} keeps its newest version (2) in shared memory (no persistent tier is configured, so it is "
             f"not on disk): a restart of the same job resumes from it. To free it: ftmem clean --job {job} "
             f"--shm-dir {shm_dir}") in done.log(0)
@@ -115,7 +112,7 @@ def test_a_relaunch_that_resumes_at_its_last_step_keeps_what_it_resumed_from(shm
     again = run(shm_dir, tmp_path, "--steps", "2", job=job)
     assert again.wait(TIMEOUT) == [0, 0], again.log(0)
     assert logged(restored_from_memory(2, 0), again.log(0))
-    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
+    assert held_versions(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
     assert f"job {job} keeps its newest version (2) in shared memory" in again.log(0)
 
 
@@ -151,7 +148,7 @@ def test_a_last_flush_that_fails_keeps_memory_and_still_says_how_to_free_it(shm_
         for r in range(2):
             (hooks / f"resume.rank{r}.v3").touch()
         assert ended.wait(TIMEOUT) == [0, 0], ended.log(0)
-    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
+    assert held_versions(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
     line = re.search(rf"job {job} keeps its newest version \(3\) in shared memory \((.+)\): a restart of the same "
                      rf"job resumes from it. To free it: ftmem clean --job {job} --shm-dir {re.escape(shm_dir)}",
                      ended.log(0))
@@ -198,7 +195,7 @@ def test_a_full_disk_under_the_persistent_tier_is_named_and_leaves_nothing_half_
     assert said, log[-4000:]
     assert sorted(os.listdir(tiny_disk)) == [".notes.tmp", MANIFEST, "newest", "v1"]
     assert [torch.load(tiny_disk / "v1" / f"rank{r}.pt").unique().tolist() for r in range(2)] == [[1.0], [1.0]]
-    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}  # memory keeps what the disk could not take
+    assert held_versions(shm_dir, job) == {0: [1, 2], 1: [1, 2]}  # memory keeps what the disk could not take
 
 
 
@@ -273,7 +270,7 @@ def test_a_failure_that_ends_torch_distributed_in_a_finally_keeps_the_newest_ver
     job = job_id()
     ended = run(shm_dir, tmp_path, "--steps", "2", "--end", "raise", "--destroys-group", job=job)
     assert ended.wait(TIMEOUT) == [1, 1] and leaves_no_ftmem_thread(ended), ended.log(1)
-    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
+    assert held_versions(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
     assert "it ended with an exception in flight (RuntimeError)" in ended.log(0) + ended.log(1)
 
 
@@ -292,7 +289,7 @@ def test_a_rank_killed_in_the_teardown_keeps_every_node_s_memory(shm_dir, tmp_pa
         ending.kill(0)
         assert ending.procs[1].wait(TIMEOUT) == 0
     assert ending.log(1).count("could not agree with the other ranks that the job finished") == 1  # (it said it twice)
-    assert held(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
+    assert held_versions(shm_dir, job) == {0: [1, 2], 1: [1, 2]}
 
 
 def test_an_unwritable_persist_dir_is_refused_at_the_start(shm_dir, tmp_path):
@@ -364,7 +361,7 @@ def test_a_job_that_loaded_an_older_version_by_name_keeps_the_newer_ones_at_its_
     named = run(shm_dir, tmp_path / "out", "--steps", "2", "--persist", str(persist), "--load-version", "2", job=job)
     assert named.wait(TIMEOUT) == [0, 0], named.log(0)
     assert logged(restored_from_memory(2, 0), named.log(0))
-    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
+    assert held_versions(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
     assert f"job {job} keeps its newest version (3) in shared memory (it also holds version(s) [3], newer than " \
            f"the version it loaded by name)" in named.log(0)
     again = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), job=job)
@@ -394,7 +391,7 @@ def test_a_relaunch_with_another_number_of_ranks_per_node_is_refused_naming_the_
                 f"ranks [0, 1] (ranks per node now 2, world size 2): the node layout changed") in back.log(rank), \
             back.log(rank)[-3000:]
         assert f"free the job's memory first: ftmem clean --job {job} --shm-dir {shm_dir}" in back.log(rank)
-    assert held(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
+    assert held_versions(shm_dir, job) == {0: [1, 2, 3], 1: [1, 2, 3]}
 
 
 @pytest.mark.fault("restart on fewer or more nodes", phase="startup", framework="adapter runtime",
@@ -419,7 +416,7 @@ def test_a_relaunch_under_a_derived_id_of_another_layout_names_the_versions_the_
                 f"[1, 2, 3])") in log, log[-3000:]
         assert f"free them first: ftmem clean --job {first} --shm-dir {shm_dir}." in log
         assert "resumes at step" not in log
-    assert held(shm_dir, first) == {0: [1, 2, 3], 1: [1, 2, 3]}  # the relaunch's own job holds nothing
+    assert held_versions(shm_dir, first) == {0: [1, 2, 3], 1: [1, 2, 3]}  # the relaunch's own job holds nothing
 
 
 @pytest.mark.fault("node lost (its ranks, SMP and memory)", phase="during an elastic adoption",
@@ -438,7 +435,7 @@ def test_a_relaunch_on_fewer_nodes_adopts_the_newest_version_the_old_world_can_g
                      str(tmp_path / "first"), env=derived)
     assert first.wait(TIMEOUT) == [1, 1, 1], first.log(0)
     [old] = jobs.list_jobs(shm_dir)
-    assert held(shm_dir, old) == {0: [1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3]}
+    assert held_versions(shm_dir, old) == {0: [1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3]}
     jobs.lose_node(shm_dir, old, 0)
     store = RankStore(os.path.join(job_root(shm_dir, old), "node2"), 2)
     flip_byte(store.slot_path(store.committed()[3]), 100)
@@ -454,7 +451,7 @@ def test_a_relaunch_on_fewer_nodes_adopts_the_newest_version_the_old_world_can_g
     assert "rank 2 version 3: data in" in back.log(0)
     assert "does not match its checksum. Treating it as lost." in back.log(0)
     [new] = jobs.list_jobs(shm_dir)  # the old job's memory is freed
-    assert new != old and held(shm_dir, new) == {0: [3, 4], 1: [3, 4]}
+    assert new != old and held_versions(shm_dir, new) == {0: [3, 4], 1: [3, 4]}
 
 
 @pytest.mark.fault("shared memory damaged", phase="during an elastic adoption", framework="adapter runtime",
@@ -520,7 +517,7 @@ def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_
                        "step 4 of the second relaunch")
         b_run.kill_all()
     [b] = [job for job in jobs.list_jobs(shm_dir) if job != a]
-    assert held(shm_dir, a) == {1: [1, 2, 3], 2: [1, 2, 3]} and held(shm_dir, b) == {0: [4], 1: [4]}
+    assert held_versions(shm_dir, a) == {1: [1, 2, 3], 2: [1, 2, 3]} and held_versions(shm_dir, b) == {0: [4], 1: [4]}
     if second == "restarted in its own world":
         for steps in (4, 6):  # nothing left to train and no save, then two saves
             again = LocalJob("tests.harness.lifecycle_job", ["--out", str(tmp_path), "--steps", str(steps),
@@ -530,8 +527,8 @@ def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_
             for rank in range(2):
                 assert logged(restored_from_memory(4, rank), again.log(rank)), again.log(rank)[-3000:]
             if steps == 4:
-                assert held(shm_dir, a) == {1: [1, 2, 3], 2: [1, 2, 3]} and "freed job" not in again.log(0)
-        assert jobs.list_jobs(shm_dir) == [b] and held(shm_dir, b) == {0: [4, 5, 6], 1: [4, 5, 6]}
+                assert held_versions(shm_dir, a) == {1: [1, 2, 3], 2: [1, 2, 3]} and "freed job" not in again.log(0)
+        assert jobs.list_jobs(shm_dir) == [b] and held_versions(shm_dir, b) == {0: [4, 5, 6], 1: [4, 5, 6]}
         assert (f"freed job {a}'s memory on nodes ['node1', 'node2']: this job's line descends from its version 3, "
                 f"this job resumed its own version 4 and now holds a protected version of its own") in again.log(0)
         return
@@ -551,13 +548,13 @@ def test_a_relaunch_after_a_relaunch_that_died_before_freeing_adopts_the_newest_
         assert f"rank {rank}: adopted version {version} of" in log and f"w = [{float(version)}]" in log
         assert f"rank {rank}: resumes at step {version + 1} (memory)" in log
     [c] = [job for job in jobs.list_jobs(shm_dir) if job not in (a, b)]
-    assert held(shm_dir, c) == {node: list(range(version + 1, 7)) for node in range(4)}  # its own saves
+    assert held_versions(shm_dir, c) == {node: list(range(version + 1, 7)) for node in range(4)}  # its own saves
     if second == "whole":
         assert jobs.list_jobs(shm_dir) == [c]
         assert (f"freed job {a}'s memory on nodes ['node1', 'node2']: it holds nothing newer than version 4, which "
                 f"this job adopted from job {b}") in c_run.log(0)
     else:
-        assert sorted(jobs.list_jobs(shm_dir)) == sorted([b, c]) and held(shm_dir, b) == {1: [4]}
+        assert sorted(jobs.list_jobs(shm_dir)) == sorted([b, c]) and held_versions(shm_dir, b) == {1: [4]}
         assert "rank 1 version 4: data in" in c_run.log(0) and "does not match its checksum" in c_run.log(0)
         assert (f"not adopting from job {b}: job {b}'s memory holds no intact version. Trying the job it descends "
                 f"from, if any.") in c_run.log(0), c_run.log(0)[-3000:]
@@ -613,7 +610,7 @@ def test_a_relaunch_that_cannot_rebuild_the_old_world_is_refused_and_frees_nothi
         assert "EC group of nodes [0, 1, 2] (k=2, m=1) lacks node(s) [0, 1]" in log
         assert "ftmem does not start from scratch in place of what this job saved" in log
         assert "resumes at step" not in log
-    assert held(shm_dir, old) == {2: [1, 2, 3]}
+    assert held_versions(shm_dir, old) == {2: [1, 2, 3]}
 
 
 def test_several_runtimes_of_a_process_end_in_the_order_they_were_made_on_every_rank(shm_dir, tmp_path):
