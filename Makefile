@@ -8,7 +8,7 @@ DEEPSPEED_PIN ?= deepspeed==0.19.8
 # megatron-core >= 0.17 needs Python >= 3.12; 0.16.1 is the newest for 3.11.
 MEGATRON_PIN ?= megatron-core==0.16.1
 
-.PHONY: install demo test test-faults test-compat test-gpu clean-shm megatron-lm docs
+.PHONY: install demo test test-faults test-compat test-slurm test-gpu clean-shm megatron-lm docs
 
 install: $(VENV)/.installed
 
@@ -38,7 +38,7 @@ $(MLM)/.built: $(VENV)/.installed tests/harness/megatron_lm/build_env.py patches
 # the random-kill loops in their short, seeded form: each victim kind and moment kind once.
 # The fault campaign's lines go to build/fault-campaign.json (tests/harness/campaign.py).
 test: install megatron-lm
-	$(PY) -m pytest -q -ra --durations=30 --fault-report build/fault-campaign.json tests
+	$(PY) -m pytest -q -ra --durations=30 --fault-report build/fault-campaign.json --ignore=tests/slurm tests
 
 # The fault campaign: every test marked `fault`, the random-kill loops at full length (20 and
 # 10 kills per loop); its table in docs/design/fault-matrix.md is rewritten from the run, as
@@ -46,6 +46,14 @@ test: install megatron-lm
 test-faults: install megatron-lm
 	$(PY) -m pytest -q -ra --durations=30 --full-faults -m fault --fault-report build/fault-campaign.json tests; \
 	status=$$?; $(PY) -m tests.harness.campaign build/fault-campaign.json && exit $$status
+
+# ftmem under a real Slurm (tests/slurm, tests/harness/slurm.py): slurmctld and three slurmd on
+# this machine, each node a network, mount and UTS namespace of its own, running the sbatch script
+# of examples/slurm. Needs root; installs Debian's slurm-wlm and munge where they are missing.
+test-slurm: install
+	command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge
+	$(PY) -m pytest -q -ra --durations=30 tests/slurm
 
 # The compatibility matrix's smoke tier (tests/harness/compat_matrix.py, the tests marked
 # `compat`) on each version set of docs/compatibility.md, each in a fresh environment from the

@@ -1,0 +1,85 @@
+"""ftmem under a real Slurm (tests/harness/slurm.py: slurmctld and three slurmd, each node its
+own network, host name and /dev/shm), with the sbatch script users copy
+(examples/slurm/ftmem-deepspeed.sbatch) running DeepSpeed ZeRO-1 through srun and torchrun on
+three nodes, saving every step: a node lost and the job requeued resumes from memory, the lost
+node rebuilt from parity; a preemption (scancel --signal=TERM) flushes the newest version, and
+the requeued job on machines whose memory is gone resumes from it. Each bitwise against
+DeepSpeed's default engine. ``make test-slurm`` installs Slurm and runs this tier."""
+import json
+import os
+
+import pytest
+
+from ftmem import restored_from_disk, restored_from_memory
+from harness.common import logged
+from harness.ds_jobs import CONFIGS, ITERS, STOP, TIMEOUT, reference
+from harness.ranks import REPO, wait_until
+from harness.slurm import NODES, SlurmCluster
+from harness.toy import assert_same_training
+
+SCRIPT = os.path.join(REPO, "examples", "slurm", "ftmem-deepspeed.sbatch")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with SlurmCluster(str(tmp_path_factory.mktemp("slurm"))) as made:
+        yield made
+
+
+def _submit(cluster, root, *trainer) -> tuple[str, str]:
+    """The script submitted as a user would (``sbatch``), DeepSpeed ZeRO-1 with ftmem, its
+    persistent tier under ``root``; the job id and its output file."""
+    with open(os.path.join(CONFIGS, "zero1.json")) as f:
+        config = json.load(f)
+    config["ftmem"].update(shm_dir="/dev/shm", persist={"dir": str(root / "persist"), "interval": 1000})
+    (root / "ds_config.json").write_text(json.dumps(config))
+    (root / "out").mkdir(exist_ok=True)
+    output = str(root / "slurm.out")
+    env = dict(cluster.env, DS_CONFIG=str(root / "ds_config.json"), SAVE_DIR=str(root / "ckpt"), DS_ACCELERATOR="cpu",
+               OMP_NUM_THREADS="1", PATH=os.path.dirname(os.path.abspath(os.sys.executable)) + os.pathsep +
+               os.environ["PATH"])
+    proc = cluster.on("ctl", ["sbatch", "--parsable", f"--chdir={REPO}", f"--output={output}", SCRIPT,
+                              "--iters", str(ITERS), "--out", str(root / "out"), *trainer],
+                      env=env, stdout=-1, stderr=-1, text=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return out.strip().split(";")[0], output
+
+
+def _output(path: str) -> str:
+    return open(path, errors="replace").read() if os.path.exists(path) else ""
+
+
+def test_a_node_lost_and_the_job_requeued_resumes_from_memory_rebuilt_from_parity(cluster, tmp_path):
+    ref = reference("zero1.json", NODES, str(tmp_path / "reference"))
+    job, output = _submit(cluster, tmp_path, "--stop-after", str(STOP))
+    wait_until(lambda: _output(output).count("stopped after") == NODES or
+               cluster.job_state(job) not in ("PENDING", "RUNNING"), TIMEOUT, f"step {STOP} on every node")
+    assert cluster.job_state(job) == "RUNNING", _output(output)[-5000:]
+    cluster.lose_node(1)
+    cluster.command("scontrol", "requeue", job)
+    assert cluster.wait_for_state(job, {"COMPLETED", "FAILED"}, TIMEOUT) == "COMPLETED", _output(output)[-5000:]
+    for rank in range(NODES):
+        assert logged(restored_from_memory(STOP + 1, rank, f"tag global_step{STOP + 1}", rebuilt=rank == 1),
+                      _output(output)), _output(output)[-5000:]
+    assert_same_training(str(tmp_path / "out"), ref, NODES, ITERS)
+
+
+def test_a_preemption_flushes_the_newest_version_and_the_requeued_job_resumes_from_it(cluster, tmp_path):
+    ref = reference("zero1.json", NODES, str(tmp_path / "reference"))
+    job, output = _submit(cluster, tmp_path, "--stop-after", str(STOP))
+    wait_until(lambda: _output(output).count("stopped after") == NODES or
+               cluster.job_state(job) not in ("PENDING", "RUNNING"), TIMEOUT, f"step {STOP} on every node")
+    cluster.command("scancel", "--signal=TERM", job)
+    wait_until(lambda: cluster.job_state(job) not in ("RUNNING", "COMPLETING"), TIMEOUT, "the job to end")
+    flushed = f"flushed version {STOP + 1} to {tmp_path / 'persist'} at SIGTERM: a relaunch resumes from it"
+    assert flushed in _output(output), _output(output)[-5000:]
+    for n in range(NODES):  # the preempted machines are gone, and their memory with them
+        cluster.lose_node(n)
+    cluster.command("scontrol", "requeue", job)
+    assert cluster.wait_for_state(job, {"COMPLETED", "FAILED"}, TIMEOUT) == "COMPLETED", _output(output)[-5000:]
+    for rank in range(NODES):
+        restored = restored_from_disk(STOP + 1, str(tmp_path / "persist" / f"global_step{STOP + 1}"), rank,
+                                      "memory holds no version of this job")
+        assert logged(restored, _output(output)), _output(output)[-5000:]
+    assert_same_training(str(tmp_path / "out"), ref, NODES, ITERS)
