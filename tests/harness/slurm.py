@@ -184,6 +184,20 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 raise TimeoutError(f"Slurm job {job} is {state}, not {sorted(states)}, after {timeout} s")
             time.sleep(0.5)
 
+    def processes(self, n: int, running: str) -> list[int]:
+        """The pids of node n's processes whose command line holds ``running``."""
+        mnt = _mnt(self.holders[f"node{n}"].pid)
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and _mnt(int(entry)) == mnt:
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        if running.encode() in f.read():
+                            found.append(int(entry))
+                except OSError:
+                    pass
+        return found
+
     def lose_node(self, n: int) -> None:
         """The node's machine lost and replaced: its slurmd, its job steps' processes and its
         SMP SIGKILLed, its /dev/shm gone; then a slurmd again on an empty one."""

@@ -7,6 +7,7 @@ the requeued job on machines whose memory is gone resumes from it. Each bitwise 
 DeepSpeed's default engine. ``make test-slurm`` installs Slurm and runs this tier."""
 import json
 import os
+import signal
 
 import pytest
 
@@ -62,6 +63,26 @@ def test_a_node_lost_and_the_job_requeued_resumes_from_memory_rebuilt_from_parit
     for rank in range(NODES):
         assert logged(restored_from_memory(STOP + 1, rank, f"tag global_step{STOP + 1}", rebuilt=rank == 1),
                       _output(output)), _output(output)[-5000:]
+    assert_same_training(str(tmp_path / "out"), ref, NODES, ITERS)
+
+
+def test_a_rank_crashed_and_the_job_requeued_resumes_from_every_node_s_own_memory(cluster, tmp_path):
+    """A rank SIGKILLed: the others end (the failure detector's line), the job fails, and requeued
+    on the same nodes it resumes from memory, nothing rebuilt: each node's SMP and /dev/shm outlived
+    the job's processes."""
+    ref = reference("zero1.json", NODES, str(tmp_path / "reference"))
+    job, output = _submit(cluster, tmp_path, "--stop-after", str(STOP))
+    wait_until(lambda: _output(output).count("stopped after") == NODES or
+               cluster.job_state(job) not in ("PENDING", "RUNNING"), TIMEOUT, f"step {STOP} on every node")
+    rank, = [pid for pid in cluster.processes(1, "examples.deepspeed.train_gpt") if pid not in
+             cluster.processes(1, "torchrun")]
+    os.kill(rank, signal.SIGKILL)
+    wait_until(lambda: cluster.job_state(job) not in ("RUNNING", "COMPLETING"), TIMEOUT, "the job to end")
+    cluster.command("scontrol", "requeue", job)
+    assert cluster.wait_for_state(job, {"COMPLETED", "FAILED"}, TIMEOUT) == "COMPLETED", _output(output)[-5000:]
+    for rank in range(NODES):
+        assert logged(restored_from_memory(STOP + 1, rank, f"tag global_step{STOP + 1}"), _output(output)), \
+            _output(output)[-5000:]
     assert_same_training(str(tmp_path / "out"), ref, NODES, ITERS)
 
 
