@@ -4,7 +4,7 @@ the config from the recipe's ConfigMap; only the paths, the head's address and t
 steps differ. Then what each kind of restart leaves: a container restarted in its pod (every
 process of it gone, its SMP too, its /dev/shm kept) resumes from its own memory; a pod
 rescheduled elsewhere (its /dev/shm gone with it) is rebuilt from the others' parity. Bitwise
-against DeepSpeed's default engine. The manifest's schema: tests/unit/test_kubernetes_recipe.py."""
+against DeepSpeed's default engine. The manifest's schema: tests/unit/test_kubernetes_manifests.py."""
 import json
 import os
 import signal
