@@ -5,6 +5,7 @@ steps differ. Then what each kind of restart leaves: a container restarted in it
 process of it gone, its SMP too, its /dev/shm kept) resumes from its own memory; a pod
 rescheduled elsewhere (its /dev/shm gone with it) is rebuilt from the others' parity. Bitwise
 against DeepSpeed's default engine. The manifest's schema: tests/unit/test_kubernetes_manifests.py."""
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import yaml
 
 from ftmem import restored_from_memory
 from ftmem._shm import jobs
+from ftmem._shm.procs import pid_alive
 from harness.common import logged
 from harness.ds_jobs import CONFIGS, ENV, ITERS, STOP, TIMEOUT, reference
 from harness.ranks import REPO, free_port, wait_until
@@ -53,6 +55,35 @@ def _start(args: list, pod: int, out, *extra) -> subprocess.Popen:
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts each rank in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _end_container(pod: subprocess.Popen) -> None:
+    """A container's end: every process of it SIGKILLed (the SMP, which left its tree, apart)."""
+    doomed = _descendants(pod.pid)
+    pod.kill()
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    pod.wait()
+    wait_until(lambda: not any(pid_alive(pid) for pid in doomed), TIMEOUT, "the container's processes to end")
+
+
 def _log(out, pod: int) -> str:
     with open(out / f"pod{pod}.log", errors="replace") as f:
         return f.read()
@@ -77,8 +108,7 @@ def test_the_recipe_s_command_resumes_from_memory_after_container_restarts_and_a
         job, = [j["job"] for j in jobs.status(shm_dir)["jobs"]]
         smps = {node["node"]: node["smp_pid"] for node in jobs.status(shm_dir, job)["jobs"][0]["nodes"]}
         for pod in pods:  # every container ends: its processes, and (below) its SMP
-            os.killpg(pod.pid, signal.SIGKILL)
-            pod.wait()
+            _end_container(pod)
         for node in (0, 2):  # restarted in their pods: /dev/shm stays
             os.kill(smps[node], signal.SIGKILL)
         jobs.lose_node(shm_dir, job, 1)  # rescheduled: its /dev/shm went with the pod
@@ -88,8 +118,7 @@ def test_the_recipe_s_command_resumes_from_memory_after_container_restarts_and_a
     finally:
         for pod in pods:
             if pod.poll() is None:
-                os.killpg(pod.pid, signal.SIGKILL)
-                pod.wait()
+                _end_container(pod)
     for pod in range(PODS):
         assert logged(restored_from_memory(STOP + 1, pod, f"tag global_step{STOP + 1}", rebuilt=pod == 1),
                       _log(out, pod)), _log(out, pod)[-3000:]
