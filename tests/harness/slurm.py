@@ -19,6 +19,8 @@ from typing import Optional
 
 import pytest
 
+from ftmem._shm.procs import cmdline
+
 NODES = 3
 SUBNET = "198.18.7"
 CTL_ADDRESS = f"{SUBNET}.254"
@@ -97,7 +99,7 @@ class SlurmCluster:
              f"--net=/run/netns/{self.netns[host]}", "--", "sh", "-c",
              f"hostname {host} && {hosts}{shm}exec sleep 1000000"], stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + TIMEOUT_S
-        while _comm(self.holders[host].pid) != "sleep":
+        while cmdline(self.holders[host].pid)[:1] != ["sleep"]:
             if self.holders[host].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"host {host} could not be made (exit {self.holders[host].poll()})")
             time.sleep(0.02)
@@ -237,14 +239,6 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _munged() -> None:
