@@ -407,6 +407,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ftmem.smp[%(process)d] %(message)s")
     os.nice(10)  # its work (allocating, freeing) must yield the cores to training
     ranks = [int(r) for r in args.ranks.split(",")]
+    # A rank may start this process from one of ftmem's threads, which block the signals sent
+    # to the process (ftmem/_common/threads.py); exec keeps that mask: take none of it.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     signal.signal(signal.SIGTERM, _exit_keeping_versions)
     SnapshotManager(args.node_dir, ranks).serve(smp_grace_s())
 
