@@ -61,6 +61,9 @@ _SMP_ENTRY = "import sys; from ftmem._shm.smp import main; main(sys.argv[1:])"
 
 # SMPs this process started; polled so that a killed one does not linger as a zombie.
 _spawned: list[subprocess.Popen] = []
+# How each reaped one ended (pid -> returncode): whichever thread reaps it, the client that
+# finds its SMP gone can still say how (one entry per SMP this process started: a handful).
+_ended: dict[int, int] = {}
 
 
 def smp_timeout_s() -> float:
@@ -101,12 +104,13 @@ def _reap() -> None:
     for p in list(_spawned):
         if p.poll() is not None:
             _spawned.remove(p)
+            _ended[p.pid] = p.returncode
 
 
 def _how_it_ended(pid: int) -> str:
     """How the SMP ``pid`` ended, in words: its exit status where this process started it."""
     proc = next((p for p in _spawned if p.pid == pid), None)
-    code = None if proc is None else proc.poll()
+    code = _ended.get(pid) if proc is None else proc.poll()
     if code is None:
         return "it was not started by this process: `dmesg` says whether the kernel's OOM killer ended it"
     if code == -signal.SIGKILL:
