@@ -67,6 +67,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
         section = (getattr(config_params, "_param_dict", None) or {}).get("ftmem")
         self.config = FtmemConfig.from_dict(section)
         self.zero_stage = zero_stage
+        # DeepSpeedConfig's own flag for "checkpoint": {"load_universal": true} (no config: none)
+        self._universal = bool(getattr(config_params, "load_universal_checkpoint", False))
         self.format = DeepSpeedFormat()
         self._layout = parallel_layout(zero_stage)
         # Checked now, at deepspeed.initialize; the runtime itself starts at the first save
@@ -91,7 +93,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
             persist = self.config.persist
             self.runtime = AdapterRuntime(self.config, self._layout, self.format, save_dir, persist.dir,
                                           persist.interval, persist.keep)
-            self._loads = DeepSpeedLoads(self.runtime, persist.dir, self._layout)
+            self._loads = DeepSpeedLoads(self.runtime, persist.dir, self._layout, self._universal)
         return self.runtime
 
     def create(self, info: CheckpointCommitInfo) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ftmem import FtmemError, NotRecoverableFromMemory, ParallelLayout, Restored
 from ftmem.adapter import (DISK, MEMORY, AdapterRuntime, DiskCheckpoint, OtherWorlds, RestoreTargets, Resumption,
-                           everyone_joins, flushed, lowest_rank_first)
+                           everyone_joins, flushed, job_info, lowest_rank_first)
 
 from .stub import is_stub, read_stub, version_of
 
@@ -43,8 +43,9 @@ class _Load:
 class DeepSpeedLoads:
     """One rank's loads from ftmem, for its :class:`~ftmem_deepspeed.FtmemCheckpointEngine`."""
 
-    def __init__(self, runtime: AdapterRuntime, persist_dir: Optional[str], layout: ParallelLayout):
-        self.runtime, self._persist_dir, self._layout = runtime, persist_dir, layout
+    def __init__(self, runtime: AdapterRuntime, persist_dir: Optional[str], layout: ParallelLayout, universal: bool):
+        """``universal``: the job loads universal checkpoints (``"load_universal"``)."""
+        self.runtime, self._persist_dir, self._layout, self._universal = runtime, persist_dir, layout, universal
         self._load: Optional[_Load] = None  # the load in progress, once it has asked ftmem
         # (tag, every rank's files) last read by path: a cache, as a reader reads a version's files one by one
         self._served: Optional[tuple[str, dict]] = None
@@ -66,7 +67,11 @@ class DeepSpeedLoads:
         When ``latest`` names an ftmem checkpoint that neither memory nor the persistent
         tier can give back, the load is refused: DeepSpeed's default engine would have
         loaded that checkpoint, so a fresh start in its place would be a silently wrong
-        resume. Collective: every rank loads."""
+        resume. A job that loads universal checkpoints (``"load_universal"``) loads the one
+        DeepSpeed's ``latest_universal`` names: ``(load_dir, None)`` (see :meth:`file`).
+        Collective: every rank loads."""
+        if self._universal:
+            return load_dir, None
         latest = _read_latest(load_dir)
         stub = _stub_in(os.path.join(load_dir, latest)) if latest else None
         self._load = self._resume(stub, into)
@@ -91,6 +96,14 @@ class DeepSpeedLoads:
     def file(self, path: str) -> Any:
         """What DeepSpeed's load of the stub ``path`` reads (collective at a load's first file,
         or a version's first file read by path)."""
+        if self._universal and not _is_optimizer_file(_key_of(path)) and not self._saved_on_this_world(path):
+            # A universal checkpoint's model states, copies of another world's stubs (the
+            # conversion copies those files as they are). DeepSpeed's universal load reads
+            # only their tensor-free entries: weights and optimizer come from its zero/ files.
+            job_info("%s: a universal checkpoint's copy of a stub of job %s on another world: its tensor-free "
+                     "entries are served, and DeepSpeed loads the weights and the optimizer from the "
+                     "universal checkpoint's files", path, _stub(path)["job"])
+            return read_stub(path)["metadata"]
         self._refuse_another_job_s(path)
         if self._load is None:  # a load of a tag the script named: this is its first file
             self._load = self._resume_named(path)
@@ -216,6 +229,13 @@ class DeepSpeedLoads:
                              f"is another run's save of that step (stale memory of an earlier run of the same save "
                              f"dir, or the stub is). Load a checkpoint on disk, or run the job that wrote the stub.")
         return restored
+
+    def _saved_on_this_world(self, stub: str) -> bool:
+        """The stub was written by this job, on the world it runs on (a job id may be set, and
+        kept across a change of size)."""
+        info, identity = _stub(stub), self.runtime.identity
+        now = [identity.world_size, identity.ranks_per_node]
+        return info["job"] == identity.job and info.get("world", now) == now
 
     def _refuse_another_job_s(self, stub: str) -> None:
         """Refuse a checkpoint whose stubs another job wrote (:meth:`ftmem.adapter.AdapterRuntime.refuse_other_job`)."""

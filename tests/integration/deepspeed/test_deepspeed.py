@@ -641,6 +641,44 @@ def test_checkpoint_files_read_on_rank_0_alone_are_served_from_this_host_s_memor
         assert_same_values(mine, theirs, f"rank {rank}'s final weights")
 
 
+@pytest.mark.parametrize("config, saved_on, loaded_on, tag", [("zero1.json", 2, 3, None),
+                                                             ("zero3.json", 3, 2, "global_step2_universal")])
+def test_a_universal_checkpoint_loads_onto_another_world_as_the_default_engine_s_does(config, saved_on, loaded_on, tag,
+                                                                                     shm_dir, tmp_path):
+    """Resharding is what a universal checkpoint is for. A job saves with ftmem and converts
+    its checkpoint in-process (DeepSpeed's ds_to_universal on rank 0, as its own tests run
+    it: the model-states files are copied as they are, stubs of this job), and a job on
+    another number of ranks (another job: its id derives from the save dir and the world)
+    loads the universal checkpoint and trains a step: every rank's losses and final weights
+    are bitwise those of the same two jobs with DeepSpeed's default engine. DeepSpeed's
+    universal load reads only the model states' tensor-free entries, which the stubs carry.
+    Without a tag, the load takes what ``latest_universal`` names, as DeepSpeed does (not
+    memory's newest version, which ``latest`` names)."""
+    ftmem, stock = config_pair(config, shm_dir, ec={"k": 1, "m": 1})
+    runs = {"reference": (stock, STOCK_ENV), "ftmem": (ftmem, dict(ENV, FTMEM_COLLECTIVE_TIMEOUT_S="5"))}
+    for name, (cfg, env) in runs.items():
+        run = stock_script(tmp_path, name, cfg, env, saved_on, None, 2, "--read-back", "ds_to_universal-on-rank-0")
+        try:
+            assert run.wait(TIMEOUT) == [0] * saved_on, run.log(0)[-5000:]
+        except AssertionError:
+            if name == "reference":
+                raise StockFailed(f"DeepSpeed's universal conversion ({config}, {saved_on} ranks)", run.log(0))
+            raise
+        loads_universal = dict(cfg, checkpoint={**cfg.get("checkpoint", {}), "load_universal": True})
+        run = stock_script(tmp_path, name, loads_universal, env, loaded_on, None, 3,
+                           *(["--load-tag", tag] if tag else []))
+        assert run.wait(TIMEOUT) == [0] * loaded_on, run.log(0)[-5000:]
+    assert re.search(r"global_step2_universal/\S*model_states.pt: a universal checkpoint's copy of a stub of job \S+ "
+                     r"on another world", run.log(0)), run.log(0)[-3000:]
+    for rank in range(max(saved_on, loaded_on)):
+        got, want = ((tmp_path / name / f"rank{rank}.losses.jsonl").read_text().splitlines()
+                     for name in ("ftmem", "reference"))
+        assert got == want and len(got) == (2 if rank < saved_on else 0) + (1 if rank < loaded_on else 0), rank
+    for rank in range(loaded_on):
+        mine, theirs = (torch.load(tmp_path / name / f"rank{rank}.final.pt") for name in ("ftmem", "reference"))
+        assert_same_values(mine, theirs, f"rank {rank}'s final weights after the universal load")
+
+
 def assert_same_values(got, want, where: str) -> None:
     """``got`` equals ``want``: tensors bitwise, containers item by item, objects attribute by
     attribute (DeepSpeed's loss scaler has no ``==``), anything else by ``==``."""
