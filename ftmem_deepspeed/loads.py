@@ -47,8 +47,9 @@ class DeepSpeedLoads:
         """``universal``: the job loads universal checkpoints (``"load_universal"``)."""
         self.runtime, self._persist_dir, self._layout, self._universal = runtime, persist_dir, layout, universal
         self._load: Optional[_Load] = None  # the load in progress, once it has asked ftmem
-        # (tag, every rank's files) last read by path: a cache, as a reader reads a version's files one by one
-        self._served: Optional[tuple[str, dict]] = None
+        # ((job, tag), every rank's files) last read by path: a cache, as a reader reads a version's
+        # files one by one
+        self._served: Optional[tuple[tuple[str, str], dict]] = None
 
     @property
     def active(self) -> bool:
@@ -122,34 +123,45 @@ class DeepSpeedLoads:
         """What the default engine's file that the stub at ``path`` stands for would hold (a
         copy of a stub stands for the same file), from the version its tag names: the
         restored one, or any other that memory holds. The file may be another rank's (see
-        :meth:`_files_of_every_rank`)."""
-        self._refuse_another_job_s(path)
-        key = _key_of(path)
+        :meth:`_files_of_every_rank`), or another job's whose memory is all on this host (a
+        checkpoint another world wrote: zero_to_fp32 of it in a ZeRO-3 universal load without
+        the optimizer's states)."""
+        key, job = _key_of(path), _stub(path)["job"]
         tag = os.path.dirname(key)
-        if self._served is None or self._served[0] != tag:
+        if self._served is None or self._served[0] != (job, tag):
             self._served = None  # one version's files at a time
-            self._served = (tag, self._files_of_every_rank(tag, path))
+            files = (self._files_of_every_rank(tag, path) if self._of_this_job(path)
+                     else self._files_of_another_job(tag, path))
+            self._served = ((job, tag), files)
         files = self._served[1]
         if key not in files:
             raise FtmemError(f"{path} is an ftmem stub, but no rank's snapshot of tag {tag!r} holds {key} "
                              f"(it holds {sorted(files)}).")
         return files[key]
 
+    def _files_of_another_job(self, tag: str, path: str) -> dict:
+        """Every rank's files of the version of another job whose stub ``path`` is, read from
+        this host's shared memory; refused where that job's memory is not all here."""
+        info = _stub(path)
+        saved, version = version_of(info), _version_of_tag(os.path.dirname(path))
+        states = self.runtime.read_here(version, saved and saved.uid, job=info["job"])
+        if states is None:
+            self._refuse_another_job_s(path)
+        _check_tag(path, version, states[0]["tag"])
+        return lowest_rank_first([_of_tag(state["files"], tag) for state in states])
+
     def _files_of_every_rank(self, tag: str, path: str) -> dict:
         """Every rank's files of the version whose stub ``path`` is. Outside a load of it, read
         from this host's shared memory where every rank's node memory is here, with no
         collective (a read on some ranks only: DeepSpeed's universal-checkpoint conversion on
         rank 0); else gathered from every rank, which must all read (a bounded rendezvous first)."""
-        def of_tag(files: dict) -> dict:
-            return {key: file for key, file in files.items() if os.path.dirname(key) == tag}
-
         loaded = self._load is not None and self._load.tag == tag
         if not loaded:
             saved, version = version_of(_stub(path)), _version_of_tag(os.path.dirname(path))
             states = self.runtime.read_here(version, saved and saved.uid)
             if states is not None:
                 _check_tag(path, version, states[0]["tag"])
-                return lowest_rank_first([of_tag(state["files"]) for state in states])
+                return lowest_rank_first([_of_tag(state["files"], tag) for state in states])
         everyone_joins(f"reading {path} from memory",
                        "To read an ftmem checkpoint on some ranks only, or in another process, get real files first: "
                        "`ftmem export`, or the persistent tier (\"persist\" in the \"ftmem\" config).")
@@ -159,7 +171,7 @@ class DeepSpeedLoads:
             files = self._checked(path, self.runtime.read_version(version)).state["files"]
         # A file every DP replica holds (the model states) is served as the default engine
         # writes it: from the lowest rank.
-        return lowest_rank_first(self.runtime.gather(of_tag(files)))
+        return lowest_rank_first(self.runtime.gather(_of_tag(files, tag)))
 
     def end(self) -> None:
         """Forget what the last load resumed from and what was served by path (see
@@ -237,6 +249,11 @@ class DeepSpeedLoads:
         now = [identity.world_size, identity.ranks_per_node]
         return info["job"] == identity.job and info.get("world", now) == now
 
+    def _of_this_job(self, stub: str) -> bool:
+        """The stub is this job's, or the adopted one's (a load of another world's memory)."""
+        adopted = self._load.resumption.adopted if self._load is not None else None
+        return _stub(stub)["job"] in (self.runtime.identity.job, adopted and adopted.job)
+
     def _refuse_another_job_s(self, stub: str) -> None:
         """Refuse a checkpoint whose stubs another job wrote (:meth:`ftmem.adapter.AdapterRuntime.refuse_other_job`)."""
         info = _stub(stub)
@@ -255,6 +272,11 @@ class DeepSpeedLoads:
         dist.broadcast_object_list(shared, src=source, group=self.runtime.dp_group)
         for key, state_dict in shared[0].items():
             files.setdefault(key, state_dict)
+
+
+def _of_tag(files: dict, tag: str) -> dict:
+    """The files of ``tag`` among a rank's snapshot's ``files`` (by key, ``<tag>/<file>``)."""
+    return {key: file for key, file in files.items() if os.path.dirname(key) == tag}
 
 
 def _check_tag(path: str, version: int, held_tag: str) -> None:

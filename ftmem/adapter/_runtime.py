@@ -48,6 +48,7 @@ from ftmem._common.identity import check_node_layout, world_in_words
 from ftmem._disk.persist import Flusher, check_writable
 from ftmem._common.collective import first_problem, gather
 from ftmem._engine.restore import Chosen, Restored, RestoreTimes
+from ftmem._shm import jobs
 from ftmem._shm.held import HeldJob, NotAllHere
 from ftmem._shm.slots import VersionRef
 
@@ -379,19 +380,24 @@ class AdapterRuntime:
         free_jobs(self._engine.identity.shm_dir, self._ancestors)
         self._ancestors = {}
 
-    def read_here(self, version: int, uid: Optional[str] = None) -> Optional[list]:
+    def read_here(self, version: int, uid: Optional[str] = None, job: Optional[str] = None) -> Optional[list]:
         """Every rank's state of ``version``, by rank, read from this host's shared memory with
         no collective (:mod:`ftmem._shm.held`), for a read that some ranks make alone; with
         ``uid``, only that save of it (FtmemError for another run's). None where some rank's
-        node memory is not on this host: only a collective can read it then."""
+        node memory is not on this host: only a collective can read it then. ``job``: another
+        job's version (a checkpoint another world wrote, read by path), None also where that
+        job holds no memory here; default this job's."""
+        job = job or self.identity.job
+        if job != self.identity.job and not jobs.node_dirs(self.identity.shm_dir, job):
+            return None
         self._engine.wait_protected()  # every save so far is protected (or passed over) by every rank
-        held = HeldJob(self.identity.shm_dir, self.identity.job)
+        held = HeldJob(self.identity.shm_dir, job)
         try:
             version, record = held.choose(version)
         except NotAllHere:
             return None
         if uid is not None and record.uid != uid:
-            raise FtmemError(f"memory's version {version} of job {self.identity.job} is another run's save of it "
+            raise FtmemError(f"memory's version {version} of job {job} is another run's save of it "
                              f"than the one asked for (stale memory of an earlier run of the same save dir).")
         records = held.verified(version)
         return [held.read_state(records, rank) for rank in sorted(records)]

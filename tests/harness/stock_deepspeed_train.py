@@ -5,7 +5,7 @@ engine, which only the JSON config names (tests/integration/deepspeed/test_deeps
         [--save-16bit DIR] [--also-save-to DIR]
         [--read-back zero_to_fp32|zero_to_fp32-on-rank-0|torch-load|torch-load-all|torch-load-in-worker|
                      torch-load-weights-only|ds_to_universal-on-rank-0]
-        [--read-back-tag TAG] [--reload] [--client-args] [--load-tag TAG]
+        [--read-back-tag TAG] [--reload] [--client-args] [--load-tag TAG] [--load-without-optimizer-states]
 
 Each step's loss (as float hex) and the final weights go to ``--out``; it saves after
 every step and, when ``--save-dir`` holds a checkpoint, resumes from it. At the end,
@@ -21,7 +21,8 @@ beside the checkpoint). A ``{rank}`` in ``--config`` is the rank's number (``RAN
 may run with its own config. ``--client-args`` saves the
 script's args (an ``argparse.Namespace``, as many scripts do) in the client state. ``--read-back-tag`` reads that tag's files instead of the newest's.
 ``--load-tag`` resumes from that tag instead of the newest checkpoint (a universal one, with
-``"load_universal"`` in the config).
+``"load_universal"`` in the config); ``--load-without-optimizer-states`` loads it with
+``load_optimizer_states=False``.
 ``--reload`` takes one more step past the newest checkpoint and loads it again mid-run,
 without the optimizer's states and then with them (:func:`reload`).
 """
@@ -59,6 +60,7 @@ def main() -> None:
     p.add_argument("--reload", action="store_true")
     p.add_argument("--client-args", action="store_true")
     p.add_argument("--load-tag", default=None)
+    p.add_argument("--load-without-optimizer-states", action="store_true")
     args = p.parse_args()
     with open(args.config.format(rank=os.environ["RANK"])) as f:
         config = json.load(f)
@@ -71,7 +73,8 @@ def main() -> None:
     print(f"rank {rank}: checkpoint engine {type(engine.checkpoint_engine).__name__}", flush=True)
     torch.manual_seed(99 + rank)  # per-rank dropout masks
 
-    path, client_state = engine.load_checkpoint(args.save_dir, tag=args.load_tag)
+    path, client_state = engine.load_checkpoint(args.save_dir, tag=args.load_tag,
+                                                load_optimizer_states=not args.load_without_optimizer_states)
     start = client_state["next_step"] if path else 0
     with open(os.path.join(args.out, f"rank{rank}.losses.jsonl"), "a") as losses:
         for step in range(start, args.iters):

@@ -641,10 +641,13 @@ def test_checkpoint_files_read_on_rank_0_alone_are_served_from_this_host_s_memor
         assert_same_values(mine, theirs, f"rank {rank}'s final weights")
 
 
-@pytest.mark.parametrize("config, saved_on, loaded_on, tag", [("zero1.json", 2, 3, None),
-                                                             ("zero3.json", 3, 2, "global_step2_universal")])
+@pytest.mark.parametrize("config, saved_on, loaded_on, tag, load", [
+    ("zero1.json", 2, 3, None, []),
+    ("zero3.json", 3, 2, "global_step2_universal", []),
+    ("zero3.json", 2, 3, "global_step2_universal", ["--load-without-optimizer-states"])],
+    ids=["zero1-2to3-latest_universal", "zero3-3to2", "zero3-2to3-without-optimizer-states"])
 def test_a_universal_checkpoint_loads_onto_another_world_as_the_default_engine_s_does(config, saved_on, loaded_on, tag,
-                                                                                     shm_dir, tmp_path):
+                                                                                     load, shm_dir, tmp_path):
     """Resharding is what a universal checkpoint is for. A job saves with ftmem and converts
     its checkpoint in-process (DeepSpeed's ds_to_universal on rank 0, as its own tests run
     it: the model-states files are copied as they are, stubs of this job), and a job on
@@ -653,7 +656,10 @@ def test_a_universal_checkpoint_loads_onto_another_world_as_the_default_engine_s
     are bitwise those of the same two jobs with DeepSpeed's default engine. DeepSpeed's
     universal load reads only the model states' tensor-free entries, which the stubs carry.
     Without a tag, the load takes what ``latest_universal`` names, as DeepSpeed does (not
-    memory's newest version, which ``latest`` names)."""
+    memory's newest version, which ``latest`` names). ZeRO-3 without the optimizer's states
+    takes the weights from the checkpoint ``latest`` names instead (DeepSpeed's zero_to_fp32
+    of the saving job's files, stubs of another world): served from that job's memory on this
+    host."""
     ftmem, stock = config_pair(config, shm_dir, ec={"k": 1, "m": 1})
     runs = {"reference": (stock, STOCK_ENV), "ftmem": (ftmem, dict(ENV, FTMEM_COLLECTIVE_TIMEOUT_S="5"))}
     for name, (cfg, env) in runs.items():
@@ -666,7 +672,7 @@ def test_a_universal_checkpoint_loads_onto_another_world_as_the_default_engine_s
             raise
         loads_universal = dict(cfg, checkpoint={**cfg.get("checkpoint", {}), "load_universal": True})
         run = stock_script(tmp_path, name, loads_universal, env, loaded_on, None, 3,
-                           *(["--load-tag", tag] if tag else []))
+                           *(["--load-tag", tag] if tag else []), *load)
         assert run.wait(TIMEOUT) == [0] * loaded_on, run.log(0)[-5000:]
     assert re.search(r"global_step2_universal/\S*model_states.pt: a universal checkpoint's copy of a stub of job \S+ "
                      r"on another world", run.log(0)), run.log(0)[-3000:]
