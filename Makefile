@@ -8,7 +8,7 @@ DEEPSPEED_PIN ?= deepspeed==0.19.8
 # megatron-core >= 0.17 needs Python >= 3.12; 0.16.1 is the newest for 3.11.
 MEGATRON_PIN ?= megatron-core==0.16.1
 
-.PHONY: install demo test test-faults test-compat test-slurm test-gpu clean-shm megatron-lm docs
+.PHONY: install demo test test-faults test-compat test-peer test-slurm test-gpu clean-shm megatron-lm docs
 
 install: $(VENV)/.installed
 
@@ -62,6 +62,16 @@ test-slurm: install
 SETS ?=
 test-compat: install megatron-lm
 	$(PY) tests/harness/compat_matrix.py $(SETS)
+
+# DeepSpeed's own tests/unit/checkpoint (tests/harness/peer_suite.py), stock and with ftmem forced
+# through the JSON alone, on the pinned DeepSpeed and the oldest supported, each in its own
+# environment under build/peer; the test tree is fetched once from DEEPSPEED_GIT at the pinned tag.
+# PEER_SETS="pinned" runs one set, PEER_ARGS="--tests PATH -k EXPR" some tests. Not part of
+# `make test`: several hours on 2 cores for the whole folder.
+PEER_SETS ?= pinned oldest
+PEER_ARGS ?=
+test-peer: install
+	$(PY) tests/harness/peer_suite.py --sets $(PEER_SETS) $(PEER_ARGS)
 
 clean-shm: install
 	$(VENV)/bin/ftmem clean --all

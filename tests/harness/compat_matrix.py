@@ -73,24 +73,32 @@ def _run(cmd: list[str], log, env: Optional[dict] = None, timeout: float = SET_T
 
 def prepare(vs: VersionSet, log) -> str:
     """The set's environment, made anew where missing or pinned otherwise; its Python."""
-    venv = os.path.join(BUILD, vs.name, "venv")
+    return environment(os.path.join(BUILD, vs.name), vs.name, vs.torch, vs.pins + TEST_PACKAGES, log)
+
+
+def environment(folder: str, name: str, torch: str, packages: list[str], log) -> str:
+    """A virtual environment in ``folder``/venv with torch ``torch`` and ``packages`` from the
+    package index and ftmem from this checkout (editable), made anew where missing or made
+    with other packages; its Python."""
+    venv = os.path.join(folder, "venv")
     python = os.path.join(venv, "bin", "python")
-    pins_file = os.path.join(BUILD, vs.name, "pins")
-    if os.path.exists(pins_file) and open(pins_file).read() == " ".join(vs.pins):
+    pins_file = os.path.join(folder, "pins")
+    pins = " ".join([f"torch=={torch}", *packages])
+    if os.path.exists(pins_file) and open(pins_file).read() == pins:
         return python
     shutil.rmtree(venv, ignore_errors=True)
     env = dict(os.environ, DS_BUILD_OPS="0")
     steps = [[sys.executable, "-m", "venv", venv],
              [python, "-m", "pip", "install", "--quiet", "--upgrade", "pip", "setuptools>=77", "wheel"],
-             [python, "-m", "pip", "install", "--quiet", f"torch=={vs.torch}"],
+             [python, "-m", "pip", "install", "--quiet", f"torch=={torch}"],
              # torch pinned again: nothing the frameworks ask for may move it.
-             [python, "-m", "pip", "install", "--quiet", *vs.pins, *TEST_PACKAGES],
+             [python, "-m", "pip", "install", "--quiet", f"torch=={torch}", *packages],
              [python, "-m", "pip", "install", "--quiet", "--no-deps", "-e", REPO]]
     for step in steps:
         if _run(step, log, env) != 0:
-            raise RuntimeError(f"set {vs.name}: {' '.join(step)} failed; see {log.name}")
+            raise RuntimeError(f"set {name}: {' '.join(step)} failed; see {log.name}")
     with open(pins_file, "w") as f:
-        f.write(" ".join(vs.pins))
+        f.write(pins)
     return python
 
 

@@ -1,0 +1,77 @@
+"""Imported at start-up by every Python process of a `make test-peer` run (its folder is on
+PYTHONPATH): pytest, and the ranks DeepSpeed's test harness starts from a forkserver, which
+import no conftest.
+
+* DeepSpeed's shared-memory communication op is not JIT-built (training on gloo does not use
+  it), as in the suite's own DeepSpeed jobs.
+* With ``FTMEM_PEER_MODE=ftmem``, every config handed to ``deepspeed.initialize`` selects
+  ftmem through the JSON alone: ``"checkpoint": {"engine": "ftmem"}`` and an ``"ftmem"``
+  section naming ``FTMEM_PEER_SHM_DIR``. Nothing imports ftmem_deepspeed: its torch.backends
+  entry point does, as for a user who only edits the JSON. A test that sets its own
+  ``"checkpoint"`` section (``{"load_universal": true}``) keeps it, with the engine added.
+"""
+import copy
+import functools
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+
+
+def _force_ftmem(config: dict) -> dict:
+    config = copy.deepcopy(config)
+    config["checkpoint"] = dict(config.get("checkpoint") or {}, engine="ftmem")
+    config["ftmem"] = dict(config.get("ftmem") or {}, shm_dir=os.environ["FTMEM_PEER_SHM_DIR"])
+    return config
+
+
+def _wrapped_initialize(initialize):
+    @functools.wraps(initialize)
+    def wrapper(*args, **kwargs):
+        config = kwargs.get("config")
+        if isinstance(config, str):  # a path to the JSON
+            with open(config) as f:
+                config = json.load(f)
+        if isinstance(config, dict):
+            kwargs["config"] = _force_ftmem(config)
+        else:
+            # The config comes as args.deepspeed_config (a file): a forced copy beside it.
+            ds_args = kwargs.get("args") if kwargs.get("args") is not None else (args[0] if args else None)
+            path = getattr(ds_args, "deepspeed_config", None)
+            if path:
+                with open(path) as f:
+                    forced = _force_ftmem(json.load(f))
+                path = f"{path}.ftmem.json"
+                with open(path, "w") as f:
+                    json.dump(forced, f)
+                ds_args.deepspeed_config = path
+        return initialize(*args, **kwargs)
+
+    return wrapper
+
+
+class _AfterDeepSpeed(importlib.abc.MetaPathFinder):
+    """Adjusts the ``deepspeed`` package once it has been imported."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "deepspeed":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_adjust(module):
+            exec_module(module)
+            module.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+            if os.environ.get("FTMEM_PEER_MODE") == "ftmem":
+                module.initialize = _wrapped_initialize(module.initialize)
+
+        spec.loader.exec_module = exec_then_adjust
+        return spec
+
+
+if os.environ.get("FTMEM_PEER_MODE"):
+    sys.meta_path.insert(0, _AfterDeepSpeed())

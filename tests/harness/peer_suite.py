@@ -1,0 +1,280 @@
+"""``make test-peer``: DeepSpeed's own checkpoint tests, stock and with ftmem forced through the
+JSON alone, on the DeepSpeed the Makefile pins and on the oldest the compatibility matrix
+supports. One table comes out: each test, its outcome stock and with ftmem.
+
+    python tests/harness/peer_suite.py [--sets NAME ...] [--tests PATH ...] [-k EXPR]
+
+For each set:
+
+* the test tree: DeepSpeed's ``tests/`` at the set's pinned tag, fetched once from
+  ``DEEPSPEED_GIT`` (default DeepSpeed's GitHub repository; a local clone or mirror works) into
+  ``build/peer/<set>/tree``, and refused if the tag does not resolve to the pinned commit;
+  nothing is fetched while tests run;
+* an environment: ``build/peer/<set>/venv`` with the set's torch and DeepSpeed, the pytest
+  DeepSpeed's tests are written for (< 8.4), and ftmem from this checkout; DeepSpeed's CPU
+  Adam op is built there before any test (into the set's own ``torch_extensions``), so that no
+  test is stopped while it holds the build's lock;
+* the tests (default ``unit/checkpoint``) run twice, in pytest sessions started with
+  ``tests/harness/peer_site`` on PYTHONPATH (see its ``sitecustomize``): stock, and with every
+  config selecting ``"engine": "ftmem"``. A test that runs past DeepSpeed's own bound on its
+  ranks (``DS_UNITTEST_TIMEOUT``) ends its session (DeepSpeed's harness calls ``pytest.exit``):
+  it is recorded as a hang and the session starts again with the tests left. ``--timeout``
+  (pytest-timeout) stops one whose main process waits elsewhere.
+
+Every test that passes stock must pass with ftmem, but for the exceptions :data:`EXCEPTIONS`
+names, each with its reason (docs/deepspeed.md); no test may hang with ftmem. The exit status
+says whether that held. The table goes to ``build/peer/table.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compat_matrix import REPO, environment  # noqa: E402
+
+from ftmem._shm import jobs  # noqa: E402
+
+BUILD = os.path.join(REPO, "build", "peer")
+SITE = os.path.join(REPO, "tests", "harness", "peer_site")
+SOURCE = os.environ.get("DEEPSPEED_GIT", "https://github.com/deepspeedai/DeepSpeed.git")
+PACKAGES = ["pytest>=7.2,<8.4", "pytest-timeout>=2.2", "numpy>=1.24", "xxhash>=3.0", "pyeclib>=1.6"]
+DS_TIMEOUT_S = 240  # DeepSpeed's own bound on a test's ranks: past it, its harness ends the session
+TEST_TIMEOUT_S = 300  # pytest-timeout's, for a test whose main process waits outside DeepSpeed's bound
+LOCAL_SIZE = 4
+
+
+@dataclass(frozen=True)
+class PeerSet:
+    name: str
+    torch: str
+    deepspeed: str
+    tag: str  # whose tests/ runs
+    commit: str  # what the tag must resolve to
+
+
+SETS = (
+    # The Makefile's DeepSpeed. Its own tag (v0.19.8) was not reachable where this tier was
+    # written (the newest tag there was v0.19.5, whose tests/unit/checkpoint 0.19.8 still
+    # passes stock); point DEEPSPEED_GIT at a repository that has it and pin it here.
+    PeerSet("pinned", "2.13.0", "0.19.8", "v0.19.5", "cf44300453eb0af79ed84ed8f1cb49d57478bd76"),
+    # The oldest the compatibility matrix supports (docs/compatibility.md), with its own tests.
+    PeerSet("oldest", "2.5.1", "0.17.1", "v0.17.1", "2ce55057999bdf1c9bf26cb5f000a8a9fb97e2d9"),
+)
+
+# Tests that pass stock and not with ftmem by design: (pattern on "<class or module>::<test>",
+# the reason), each said in docs/deepspeed.md.
+EXCEPTIONS = (
+    (r"::test_save_exclude_frozen_weights\b",
+     "compares the sizes of checkpoint files on disk, where ftmem writes stubs"),
+)
+
+
+def tree(ps: PeerSet, log) -> str:
+    """The set's ``tests/`` folder, fetched once at its pinned commit."""
+    folder = os.path.join(BUILD, ps.name, "tree")
+    marker = os.path.join(folder, "COMMIT")
+    if os.path.exists(marker) and open(marker).read() == ps.commit:
+        return os.path.join(folder, "tests")
+    if os.path.isdir(SOURCE):  # a local repository (a mirror may lack blobs outside tests/: read it in place)
+        repo = SOURCE
+    else:
+        repo = os.path.join(BUILD, "deepspeed.git")
+        if not os.path.isdir(repo):
+            _run(["git", "init", "--quiet", "--bare", repo], log)
+        _run(["git", "--git-dir", repo, "fetch", "--quiet", "--depth", "1", SOURCE,
+              f"refs/tags/{ps.tag}:refs/tags/{ps.tag}"], log)
+    got = subprocess.run(["git", "--git-dir", repo, "rev-parse", f"{ps.tag}^{{commit}}"], capture_output=True,
+                         text=True).stdout.strip()
+    if got != ps.commit:
+        raise RuntimeError(f"{SOURCE}'s {ps.tag} is commit {got or '(none)'}, not the pinned {ps.commit}: refusing to "
+                           f"run another tree than the one recorded")
+    subprocess.run(["rm", "-rf", folder], check=True)
+    os.makedirs(folder)
+    archive = subprocess.Popen(["git", "--git-dir", repo, "archive", ps.tag, "tests"], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", folder], stdin=archive.stdout, check=True)
+    if archive.wait() != 0:
+        raise RuntimeError(f"git archive {ps.tag} tests failed")
+    with open(marker, "w") as f:
+        f.write(ps.commit)
+    return os.path.join(folder, "tests")
+
+
+def _run(cmd: list[str], log, **kwargs) -> None:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, **kwargs)
+
+
+def _env(ps: PeerSet, mode: str) -> dict:
+    # LOCAL_SIZE: the CPU accelerator's device count, which DeepSpeed's harness checks against a
+    # test's world size (up to 4 in unit/checkpoint); its ranks set their own.
+    env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE=str(LOCAL_SIZE), DS_UNITTEST_TIMEOUT=str(DS_TIMEOUT_S),
+               FTMEM_PEER_MODE=mode,
+               PYTHONPATH=SITE, TORCH_EXTENSIONS_DIR=os.path.join(BUILD, ps.name, "torch_extensions"),
+               FTMEM_PEER_SHM_DIR=_shm_dir(ps))
+    env.pop("FTMEM_JOB_ID", None)
+    if mode == "stock":
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # not even ftmem_guard's torch.backends hook
+    return env
+
+
+def _shm_dir(ps: PeerSet) -> str:
+    return f"/dev/shm/ftmem-peer-{ps.name}"
+
+
+def build_ops(ps: PeerSet, python: str, log) -> None:
+    """DeepSpeed's CPU Adam op, built before any test (its build holds a lock that a stopped
+    test would leave behind)."""
+    code = ("import torch, deepspeed; from deepspeed.ops.adam import FusedAdam; "
+            "FusedAdam([torch.nn.Parameter(torch.zeros(1))])")
+    _run([python, "-c", code], log, env=_env(ps, "stock"), timeout=1800)
+
+
+def collect(ps: PeerSet, python: str, tests_dir: str, paths: list[str], k: Optional[str], log) -> list[str]:
+    listing = os.path.join(BUILD, ps.name, "collected.txt")
+    cmd = [python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "ftmem_peer_plugin",
+           *paths] + (["-k", k] if k else [])
+    out = subprocess.run(cmd, cwd=tests_dir, env=dict(_env(ps, "stock"), FTMEM_PEER_COLLECT_TO=listing),
+                         capture_output=True, text=True, timeout=600)
+    log.write(out.stdout + out.stderr)
+    ids = open(listing).read().split() if os.path.exists(listing) else []
+    if not ids:
+        raise RuntimeError(f"no test collected by {' '.join(cmd)}; see {log.name}")
+    return ids
+
+
+def key(node_id: str) -> str:
+    """``<class or module>::<test>`` of a node id, as junit's classname and name give it too."""
+    parts = node_id.split("::")
+    return "::".join([parts[-2] if len(parts) > 2 else os.path.splitext(os.path.basename(parts[0]))[0], parts[-1]])
+
+
+def run_mode(ps: PeerSet, python: str, tests_dir: str, ids: list[str], mode: str, log) -> dict[str, str]:
+    """Each test's outcome ('passed', 'failed', 'error', 'skipped', 'hang') in ``mode``."""
+    outcomes: dict[str, str] = {}
+    remaining, session = list(ids), 0
+    while remaining:
+        session += 1
+        _free_shm(ps)
+        os.makedirs(_shm_dir(ps), exist_ok=True)
+        for lock in glob.glob(os.path.join(BUILD, ps.name, "torch_extensions", "*", "*", "lock")):
+            os.remove(lock)  # left by a session stopped mid-build (nothing of this run is running now)
+        junit = os.path.join(BUILD, ps.name, f"{mode}-{session}.xml")
+        cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--timeout={TEST_TIMEOUT_S}",
+               f"--junitxml={junit}", "-p", "ftmem_peer_plugin", *remaining]
+        log.write(f"$ {mode} session {session}: {len(remaining)} tests\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=tests_dir, env=_env(ps, mode), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=(TEST_TIMEOUT_S + 60) * len(remaining))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:  # pytest and DeepSpeed's ranks (their forkserver and pool are in its session)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        ran = _junit(junit)
+        outcomes.update({node: ran[key(node)] for node in remaining if key(node) in ran})
+        left = [node for node in remaining if node not in outcomes]
+        if left:
+            outcomes[left[0]] = "hang"  # the session ended (DeepSpeed's pytest.exit) or was stopped during it
+        remaining = left[1:]
+    _free_shm(ps)
+    return outcomes
+
+
+def _free_shm(ps: PeerSet) -> None:
+    """Every ftmem job the tests left in the set's shared-memory directory freed, and it removed."""
+    if os.path.isdir(_shm_dir(ps)):
+        for job in jobs.list_jobs(_shm_dir(ps)):
+            jobs.clean(_shm_dir(ps), job)
+        shutil.rmtree(_shm_dir(ps), ignore_errors=True)
+
+
+def _junit(path: str) -> dict[str, str]:
+    try:
+        root = ElementTree.parse(path).getroot()
+    except (OSError, ElementTree.ParseError):
+        return {}
+    found = {}
+    for case in root.iter("testcase"):
+        kinds = {child.tag: (child.get("message") or "") for child in case}
+        said = " ".join(kinds.values())
+        name = f"{case.get('classname').rsplit('.', 1)[-1]}::{case.get('name')}"
+        found[name] = ("hang" if "Timeout" in said or "hung" in said else "failed" if "failure" in kinds else
+                       "error" if "error" in kinds else "skipped" if "skipped" in kinds else "passed")
+    return found
+
+
+def excepted(node_id: str) -> Optional[str]:
+    return next((reason for pattern, reason in EXCEPTIONS if re.search(pattern, key(node_id))), None)
+
+
+def table(results: dict[str, dict[str, dict[str, str]]], took: dict[str, float]) -> tuple[str, bool]:
+    """The table (markdown) and whether every test that passed stock passed with ftmem, or is
+    an exception, and none hung with ftmem."""
+    lines, ok = [], True
+    for name, modes in results.items():
+        ps = next(s for s in SETS if s.name == name)
+        stock, ftmem = modes["stock"], modes["ftmem"]
+        lines += [f"## {name}: DeepSpeed {ps.deepspeed}, torch {ps.torch}, tests of {ps.tag} ({ps.commit[:8]}); "
+                  f"{took[name]:.0f} s", "", "| test | stock | ftmem |", "|---|---|---|"]
+        for node in stock:
+            note = ""
+            if stock[node] == "passed" and ftmem.get(node) != "passed":
+                reason = excepted(node)
+                note = f" (by design: {reason})" if reason else " **regression**"
+                ok &= reason is not None
+            ok &= ftmem.get(node) != "hang"
+            lines.append(f"| `{node}` | {stock[node]} | {ftmem.get(node, '-')}{note} |")
+        counts = {mode: {o: sum(1 for v in got.values() if v == o) for o in sorted(set(got.values()))}
+                  for mode, got in modes.items()}
+        lines += ["", "; ".join(f"{mode}: " + ", ".join(f"{n} {o}" for o, n in c.items()) for mode, c in counts.items()),
+                  ""]
+    return "\n".join(lines) + "\n", ok
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sets", nargs="*", default=[s.name for s in SETS], help="sets to run (default all)")
+    parser.add_argument("--tests", nargs="*", default=["unit/checkpoint"], help="paths in DeepSpeed's tests/")
+    parser.add_argument("-k", default=None, help="pytest's -k, to run some of them")
+    args = parser.parse_args(argv)
+    os.makedirs(BUILD, exist_ok=True)
+    results, took = {}, {}
+    for ps in (s for s in SETS if s.name in args.sets):
+        t0 = time.monotonic()
+        os.makedirs(os.path.join(BUILD, ps.name), exist_ok=True)
+        with open(os.path.join(BUILD, ps.name, "log.txt"), "w") as log:
+            print(f"== {ps.name}: DeepSpeed {ps.deepspeed}, torch {ps.torch}, tests of {ps.tag}", flush=True)
+            tests_dir = tree(ps, log)
+            python = environment(os.path.join(BUILD, ps.name), ps.name, ps.torch,
+                                 [f"deepspeed=={ps.deepspeed}", *PACKAGES], log)
+            build_ops(ps, python, log)
+            ids = collect(ps, python, tests_dir, args.tests, args.k, log)
+            print(f"   {len(ids)} tests", flush=True)
+            results[ps.name] = {mode: run_mode(ps, python, tests_dir, ids, mode, log) for mode in ("stock", "ftmem")}
+        took[ps.name] = time.monotonic() - t0
+    text, ok = table(results, took)
+    with open(os.path.join(BUILD, "table.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
