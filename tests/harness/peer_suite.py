@@ -52,6 +52,7 @@ PACKAGES = ["pytest>=7.2,<8.4", "pytest-timeout>=2.2", "numpy>=1.24", "xxhash>=3
 DS_TIMEOUT_S = 240  # DeepSpeed's own bound on a test's ranks: past it, its harness ends the session
 TEST_TIMEOUT_S = 300  # pytest-timeout's, for a test whose main process waits outside DeepSpeed's bound
 LOCAL_SIZE = 4
+PYTEST_RAN_NOTHING = (4, 5)  # pytest's exit statuses for a usage error and for no test collected
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def collect(ps: PeerSet, python: str, tests_dir: str, paths: list[str], k: Optio
     out = subprocess.run(cmd, cwd=tests_dir, env=dict(_env(ps, "stock"), FTMEM_PEER_COLLECT_TO=listing),
                          capture_output=True, text=True, timeout=600)
     log.write(out.stdout + out.stderr)
-    ids = open(listing).read().split() if os.path.exists(listing) else []
+    ids = open(listing).read().splitlines() if os.path.exists(listing) else []  # an id may hold spaces
     if not ids:
         raise RuntimeError(f"no test collected by {' '.join(cmd)}; see {log.name}")
     return ids
@@ -188,6 +189,8 @@ def run_mode(ps: PeerSet, python: str, tests_dir: str, ids: list[str], mode: str
                 pass
             proc.wait()
         ran = _junit(junit)
+        if not ran and proc.returncode in PYTEST_RAN_NOTHING:
+            raise RuntimeError(f"pytest ran none of the {len(remaining)} tests (exit {proc.returncode}); see {log.name}")
         outcomes.update({node: ran[key(node)] for node in remaining if key(node) in ran})
         left = [node for node in remaining if node not in outcomes]
         if left:
