@@ -30,12 +30,12 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import FtmemConfig, FtmemError, ParallelLayout
-from ftmem.adapter import (AdapterRuntime, RestoreTargets, apply_map_location, check_startup, gather_dp_groups,
-                           holds_tensors, job_info, save_atomically, tensors)
+from ftmem.adapter import (AdapterRuntime, RestoreTargets, Written, apply_map_location, check_startup,
+                           gather_dp_groups, holds_tensors, job_info, save_atomically, tensors)
 
 from .format import DeepSpeedFormat
 from .loads import DeepSpeedLoads, file_key
-from .stub import is_stub, write_stub
+from .stub import EntryPickles, is_stub, write_stub
 
 # DeepSpeed's own types in the state it hands a checkpoint engine. ftmem loads a snapshot's
 # skeleton only with admitted types (the list torch.load(weights_only=True) uses); these
@@ -79,6 +79,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         self._replicated: set[int] = set()
         self._written_in_forward: set[int] = set()
         self._creating: Optional[CheckpointCommitInfo] = None  # the save since create
+        self._entry_pickles = EntryPickles()  # the stubs' entries, kept from one save to the next
         self._loads: Optional[DeepSpeedLoads] = None  # the load side, once the runtime started
         self._dir: Optional[str] = None  # the save dir: the job's origin
         self._pid = os.getpid()
@@ -148,13 +149,16 @@ class FtmemCheckpointEngine(CheckpointEngine):
         runtime = self._start(info.save_dir)
         identity = runtime.identity
         # The stubs go first, naming the save about to start: a version memory holds always has them.
-        saved = runtime.next_save(version)
+        # The copy thread syncs them before the version commits, off the training thread.
+        saved, stubs = runtime.next_save(version), Written(info.save_dir)
         for path, state_dict in files.items():
             metadata = {k: v for k, v in state_dict.items() if not holds_tensors(v)} if isinstance(state_dict, dict) else {}
-            write_stub(path, file_key(path), saved, metadata, (identity.world_size, identity.ranks_per_node))
+            write_stub(path, file_key(path), saved, metadata, (identity.world_size, identity.ranks_per_node),
+                       durable=False, pickles=self._entry_pickles)
+            stubs(path)
         runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()}, "tag": info.tag},
                      version, replicated=lambda t: id(t) in replicated,
-                     written_in_forward=lambda t: id(t) in written_in_forward)
+                     written_in_forward=lambda t: id(t) in written_in_forward, files=stubs)
         return True
 
     def load(self, path: str, map_location=None):

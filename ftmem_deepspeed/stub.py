@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -31,9 +32,11 @@ torch.serialization.add_safe_globals([ftmem_guard.ftmem_in_memory_checkpoint_stu
 
 # The stub's own format. 1: tag_file, job, metadata; 2: also world (the writer's world size
 # and ranks per node); 3: also version (the save it stands for, a VersionRef's fields); 4: the
-# metadata pickled apart, as bytes (read_stub returns it unpickled). A stub without "format" is
-# of format 1.
-STUB_FORMAT = 4
+# metadata pickled apart, as bytes; 5: each metadata entry pickled apart, a dict of bytes
+# (read_stub returns the metadata unpickled). A stub without "format" is of format 1.
+STUB_FORMAT = 5
+# An entry whose pickle is at least this long is kept for the next save (EntryPickles).
+_KEPT_FROM_BYTES = 4096
 
 
 class _Stub:
@@ -44,19 +47,56 @@ class _Stub:
         return ftmem_guard.ftmem_in_memory_checkpoint_stub, (self.info,)
 
 
-def write_stub(path: str, tag_file: str, version: VersionRef, metadata: dict, world: tuple[int, int]) -> None:
+class EntryPickles:
+    """The tensor-free entries of a rank's files, each pickled apart, and a long pickle kept
+    while its entry stays equal to what the pickle holds. DeepSpeed builds its param_shapes
+    (a torch.Size per parameter: thousands) anew at every save, equal to the last save's, and
+    pickling them cost the save call ten times more than comparing them. The comparison is with
+    the kept pickle's own copy, never with an object of the caller's (which may have changed in
+    place since), and of the same type: a changed entry is pickled anew."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, str], tuple[Any, bytes]] = {}  # (file, entry) -> (its copy, its pickle)
+
+    def __call__(self, file: str, metadata: dict) -> dict[str, bytes]:
+        """``file``: which of the rank's files (its name in the tag's directory)."""
+        pickled = {}
+        for name, value in metadata.items():
+            kept = self._kept.get((file, name))
+            if kept is not None and type(kept[0]) is type(value) and _equal(kept[0], value):
+                pickled[name] = kept[1]
+                continue
+            pickled[name] = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            if len(pickled[name]) >= _KEPT_FROM_BYTES:
+                self._kept[(file, name)] = (pickle.loads(pickled[name]), pickled[name])
+            else:
+                self._kept.pop((file, name), None)
+        return pickled
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an entry without a plain equality (an array's is elementwise): not the same
+        return False
+
+
+def write_stub(path: str, tag_file: str, version: VersionRef, metadata: dict, world: tuple[int, int],
+               durable: bool = True, pickles: Optional[EntryPickles] = None) -> None:
     """``version``: the save the stub stands for, told apart from an earlier run's save of the
     same number; ``world``: the writing job's (world size, ranks per node), for a refusal to
-    name what a relaunch at another size changed."""
+    name what a relaunch at another size changed. Not ``durable``: left to the page cache, for
+    the caller to sync later (a save's stubs are synced by its copy thread, not the training
+    thread). ``pickles``: the writer's kept pickles of its entries, from one save to the next."""
     # Every DP replica writes the same model-states stub: each under a temporary name of its own.
     stub = io.BytesIO()
-    # The metadata goes into the archive as one bytes object of its own pickle: torch.save's
-    # pickler asks a Python hook about every object, and DeepSpeed's param_shapes alone are
-    # thousands of them, written on the training thread at every save.
-    torch.save(_Stub({"format": STUB_FORMAT, "tag_file": tag_file, "job": version.job,
-                      "metadata": pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), "world": list(world),
-                      "version": dataclasses.asdict(version)}), stub)
-    write_atomically(path, stub.getvalue())
+    # The metadata goes into the archive as bytes of its own pickles: torch.save's pickler asks
+    # a Python hook about every object, and DeepSpeed's param_shapes alone are thousands of them,
+    # written on the training thread at every save.
+    entries = (pickles or EntryPickles())(os.path.basename(tag_file), metadata)
+    torch.save(_Stub({"format": STUB_FORMAT, "tag_file": tag_file, "job": version.job, "metadata": entries,
+                      "world": list(world), "version": dataclasses.asdict(version)}), stub)
+    write_atomically(path, stub.getvalue(), durable=durable)
 
 
 def version_of(info: dict) -> Optional[VersionRef]:
@@ -114,8 +154,11 @@ def read_stub(path: str) -> dict:
         info = _load(path, whole=True)
     except _NotAStub:
         raise ValueError(f"{path} is not an ftmem stub") from None
-    if info.get("format", 1) >= 4:
-        info["metadata"] = pickle.loads(info["metadata"])  # as trusted as the stub's own pickle, read the same way
+    # as trusted as the stub's own pickle, read the same way
+    if info.get("format", 1) == 4:
+        info["metadata"] = pickle.loads(info["metadata"])
+    elif info.get("format", 1) >= 5:
+        info["metadata"] = {name: pickle.loads(entry) for name, entry in info["metadata"].items()}
     return info
 
 

@@ -74,6 +74,7 @@ import torch.distributed as dist
 from ftmem._common import testhooks, threads
 from ftmem._common.collective import Arrivals, collective_timeout_s, posted_within
 from ftmem._common.logs import job_info, rank_warning
+from ftmem._disk.durable import Written
 from ftmem._state.checksum import data_checksum_and_cpu
 from ftmem._state.copier import SlotWindows, copy_bound_s, copy_into_slot
 from ftmem.errors import FtmemError
@@ -128,6 +129,7 @@ class _Save:
     tensors: Optional[list]  # let go once copied
     cuda_ready: dict
     persist: bool
+    files: Optional[Written]  # on disk for this version: synced before it commits
     state: State = State.QUEUED
     copy_started: Optional[float] = None  # monotonic seconds, once the copy thread took it up
 
@@ -255,8 +257,8 @@ class Committer:
 
     # -- the training thread -------------------------------------------------------
     def start(self, handle: SaveHandle, record: CommitRecord, tensors: list, cuda_ready: dict,
-              persist: bool) -> None:
-        save = _Save(handle, record, tensors, cuda_ready, persist)
+              persist: bool, files: Optional[Written] = None) -> None:
+        save = _Save(handle, record, tensors, cuda_ready, persist, files)
         with self._cv:
             if self._preempted_until is not None:  # no save after the signal: the process ends within the grace
                 self._cv.wait_for(lambda: False, timeout=max(0.0, self._preempted_until - time.monotonic()) + 5)
@@ -436,6 +438,8 @@ class Committer:
         # without the checksum of exactly what was written (ftmem._shm.integrity).
         checksum, checksum_cpu = data_checksum_and_cpu(slot_bytes.numpy()[: save.record.plan.nbytes])
         record = dataclasses.replace(save.record, checksum=checksum)
+        if save.files is not None:  # a committed version's files on disk survive a power loss
+            save.files.sync()
         self.store.write_commit(record)
         save.handle.cpu_s = time.thread_time() - began + checksum_cpu
         # Before the protection thread may see the commit: nothing but the marker exists yet.

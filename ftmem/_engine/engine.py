@@ -44,6 +44,7 @@ from ftmem._engine.handover import FlushHandOver
 from ftmem._engine.preemption import Preemption
 from ftmem._engine.ownership import refuse_another_node_layout, refuse_foreign_versions
 from ftmem._common.parallel import ParallelLayout, destroy_groups, make_dp_groups
+from ftmem._disk.durable import Written
 from ftmem._disk.persist import Flusher, FlushTimes
 from ftmem._ec.placement import ec_groups
 from ftmem._state.plan import Planner
@@ -205,7 +206,8 @@ class SnapshotEngine:
 
     # -- save -----------------------------------------------------------------
     def save(self, state: Any, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
-             persist: bool = False, written_in_forward: Optional[Callable[[torch.Tensor], bool]] = None) -> SaveHandle:
+             persist: bool = False, written_in_forward: Optional[Callable[[torch.Tensor], bool]] = None,
+             files: Optional[Written] = None) -> SaveHandle:
         """Start snapshotting ``state`` as ``version``; returns without waiting for the copy,
         and never for the protection of this or an earlier save (:mod:`ftmem._engine.commit`).
 
@@ -227,6 +229,11 @@ class SnapshotEngine:
         With ``persist`` (the same on every rank) the version is also flushed to disk
         once protected (or the newer version protected in its place), whatever the
         interval of :meth:`persist_with`.
+
+        ``files``: what the caller wrote to disk for this version (DeepSpeed's stubs), left
+        unsynced: the copy thread syncs them and the directories that name them before the
+        version commits, so that a committed version's files survive a power loss while the
+        training thread never waits for the disk. A failed sync fails the save.
         """
         if persist and self.flusher is None:
             raise FtmemError("save(persist=True) needs a persistent tier: call persist_with first.")
@@ -250,7 +257,7 @@ class SnapshotEngine:
                               lineage=self.lineage, uid=ref.uid, timeline=ref.timeline)
         handle = SaveHandle(version, ref, copy_bound_s(plan.nbytes), len(tensors))
         sources = taken_now(tensors, written_in_forward)
-        self._committer.start(handle, record, sources, capture_cuda_order(sources), persist)
+        self._committer.start(handle, record, sources, capture_cuda_order(sources), persist, files)
         return handle
 
     def _saved_at_or_after(self, version: int) -> bool:

@@ -6,6 +6,7 @@ helpers every adapter needs. An adapter imports from here, from ``ftmem`` and fr
 from ftmem._common.compat import CPU_SUPPORT, DISTRIBUTED_OPTIMIZER, check as check_versions, require_for
 from ftmem._common.logs import job_info, rank_info, restored_from_disk, restored_from_memory
 from ftmem._common.parallel import ParallelLayout, gather_dp_groups
+from ftmem._disk.durable import Written
 from ftmem._disk.format import FrameworkFormat
 from ftmem._disk.persist import flushed, save_atomically
 from ftmem._engine.elastic import Adopted, OtherWorlds
@@ -27,7 +28,8 @@ __all__ = [
     "check_versions", "require_for", "CPU_SUPPORT", "DISTRIBUTED_OPTIMIZER",
     "FrameworkFormat", "RestoreTargets", "TensorPlace", "Adopted", "OtherWorlds",
     "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes", "VersionRef",
-    "collection_deferred", "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "everyone_joins",
+    "collection_deferred", "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "Written",
+    "everyone_joins",
     "map_tree", "leaves", "tensors", "holds_tensors", "apply_map_location", "lowest_rank_first", "refuse_unless_weights_only",
     "job_info", "rank_info", "restored_from_memory", "restored_from_disk",
 ]

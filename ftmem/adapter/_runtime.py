@@ -45,6 +45,7 @@ from ftmem._common.logs import announce, job_info, restored_from_disk, restored_
 from ftmem._engine.ownership import other_worlds_refused, versions_of_other_jobs
 from ftmem._common.parallel import ParallelLayout
 from ftmem._common.identity import check_node_layout, world_in_words
+from ftmem._disk.durable import Written
 from ftmem._disk.persist import Flusher, check_writable
 from ftmem._common.collective import first_problem, gather
 from ftmem._engine.restore import Chosen, Restored, RestoreTimes
@@ -180,11 +181,13 @@ class AdapterRuntime:
 
     # -- save ---------------------------------------------------------------------------
     def save(self, state: dict, version: int, replicated: Optional[Callable[[torch.Tensor], bool]] = None,
-             persist: bool = False, written_in_forward: Optional[Callable[[torch.Tensor], bool]] = None) -> SaveHandle:
+             persist: bool = False, written_in_forward: Optional[Callable[[torch.Tensor], bool]] = None,
+             files: Optional[Written] = None) -> SaveHandle:
         """Snapshot ``state`` with this rank's RNG (under ``"rng"``) as ``version``
-        (:meth:`ftmem.SnapshotEngine.save` says what ``replicated`` and ``written_in_forward`` name)."""
+        (:meth:`ftmem.SnapshotEngine.save` says what ``replicated``, ``written_in_forward`` and
+        ``files`` name)."""
         self._handle = self._engine.save(dict(state, rng=self.format.capture_rng()), version, replicated=replicated,
-                                        persist=persist, written_in_forward=written_in_forward)
+                                        persist=persist, written_in_forward=written_in_forward, files=files)
         self._kept_newer = []  # the save dropped every version >= its own
         self._free_superseded_once_protected()  # once the protection thread protected a save of this job
         return self._handle

@@ -17,6 +17,7 @@ import torch
 
 from harness.common import ANY, StockFailed, free_shm_dir, job_id, logged, new_shm_dir, run_cli, run_once
 from harness.ranks import LocalJob, free_port, wait_until
+from harness import strace as syscalls
 from ftmem import restored_from_disk, restored_from_memory
 from ftmem._engine.failure_detector import EXIT_CODE
 from ftmem._shm.procs import process_state
@@ -464,6 +465,31 @@ def test_the_json_alone_switches_ftmem_on_in_a_script_that_never_mentions_it(shm
     for rank in range(world):
         assert logged(restored_from_memory(5, rank, "tag global_step5", rebuilt=rank == 1), again.log(rank))
     assert_same_training(str(tmp_path / "ftmem"), str(tmp_path / "reference"), world, iters)
+
+
+def test_a_version_s_stubs_are_on_the_disk_before_it_commits(shm_dir, tmp_path):
+    """The stubs are written during save_checkpoint and synced by the copy thread, not the
+    training thread: each stub, its tag's directory and the save dir, before the version's
+    commit marker is renamed into place (what the kernel was asked, read off a real run by strace)."""
+    trace = tmp_path / "trace"
+    straced = type("Straced", (LocalJob,), {"wrapper": tuple(syscalls.strace(str(trace)))})
+    job = DSJob("zero1.json", 1, shm_dir, str(tmp_path), ftmem={"ec": {"k": 1, "m": 0}})
+    assert job.run(launcher=straced) == [0], job.log(0)[-5000:]
+    calls = syscalls.calls_in(str(trace))
+    stubs = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    for step in range(1, ITERS + 1):
+        tag = rf"/ckpt/global_step{step}"
+        written = [syscalls.first(calls, "rename", rf"{tag}/{stub}\.tmp\.\d+", rf"{tag}/{stub}", near=tag) for stub in stubs]
+        synced = [syscalls.first(calls, "fsync", rf"{tag}/{stub}", after=w, near=tag) for stub, w in zip(stubs, written)]
+        tag_synced = syscalls.first(calls, "fsync", tag, after=max(synced), near=tag)
+        root_synced = syscalls.first(calls, "fsync", "/ckpt", after=tag_synced, near=tag)
+        committed = syscalls.first(calls, "rename", rf"\.v{step:012d}\.s\d+\.commit\.tmp\.\d+", rf"\.v{step:012d}\.s\d+\.commit",
+                          after=root_synced, near=f".v{step:012d}.")
+        training_thread = calls[written[0]].tid
+        assert all(calls[i].tid != training_thread for i in (*synced, tag_synced, root_synced, committed))
+        # and the training thread syncs nothing of the save dir's
+        assert not [c for c in calls if c.tid == training_thread and c.name.startswith(("fsync", "fdatasync"))
+                    and any("/ckpt" in p for p in c.paths)]
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -5,8 +5,6 @@ Before, no flush called fsync at all, and the oldest checkpoint was deleted righ
 rename: a machine that lost power then could hold a renamed directory of empty files and no
 older checkpoint."""
 import os
-import re
-import shutil
 import subprocess
 import sys
 
@@ -14,37 +12,19 @@ import pytest
 
 from harness.common import job_id
 from harness.ranks import REPO, RANK_ENV, free_port
+from harness.strace import Call, calls_in, strace
+from harness.strace import first as first_call
 
 TIMEOUT = 120
-CALLS = "fsync,fdatasync,rename,renameat,renameat2,unlink,unlinkat,rmdir"
-# One call as ``strace -f -y`` writes it: the pid, the call and its arguments, descriptors with their paths.
-_LINE = re.compile(r"^\d+\s+(\w+)\((.*)\)\s+=\s+(-?\d+)")
-_ARGS = re.compile(r'<([^<>]*)>|"([^"]*)"')
 
 
-def _paths(args: str) -> list[str]:
-    """The paths a call names: a descriptor's path (fsync), a path given (rename), or a name
-    in the directory of the descriptor before it (unlinkat, renameat)."""
-    paths, folder = [], None
-    for fd, name in _ARGS.findall(args):
-        if fd:
-            if folder is not None:
-                paths.append(folder)
-            folder = fd
-        else:
-            paths.append(os.path.join(folder, name) if folder is not None else name)
-            folder = None
-    return paths + ([folder] if folder is not None else [])
-
-
-def traced_job(shm_dir, tmp_path, fsync: str) -> list[tuple[str, list[str]]]:
+def traced_job(shm_dir, tmp_path, fsync: str) -> list[Call]:
     """One rank of tests/harness/lifecycle_job.py (3 steps, each flushed to a tier that keeps
-    2) run under strace: every successful call of CALLS, in order, with the paths it names."""
-    assert shutil.which("strace"), "strace is part of this project's test machines (DESIGN: the machine)"
+    2) run under strace: every successful call of those it traces, in order."""
     trace, persist = tmp_path / "trace", tmp_path / "persist"
     env = dict(os.environ, **RANK_ENV, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), FTMEM_JOB_ID=job_id(), SHM_DIR=shm_dir)
-    proc = subprocess.run(["strace", "-f", "-y", "-qq", "-e", f"trace={CALLS}", "-o", str(trace), sys.executable,
+    proc = subprocess.run([*strace(str(trace)), sys.executable,
                            "-m", "tests.harness.lifecycle_job", "--out", str(tmp_path / "out"), "--steps", "3",
                            "--persist", str(persist), "--persist-interval", "1", "--persist-keep", "2",
                            "--persist-fsync", fsync],
@@ -52,19 +32,11 @@ def traced_job(shm_dir, tmp_path, fsync: str) -> list[tuple[str, list[str]]]:
                           timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert (persist / "newest").read_text() == "v3" and sorted(os.listdir(persist / "v3")) == ["rank0.pt"]
-    return [(m[1], _paths(m[2])) for m in map(_LINE.match, trace.read_text().splitlines()) if m and m[3] == "0"]
+    return calls_in(str(trace))
 
 
 def first(calls, kind: str, *paths: str, after: int = -1) -> int:
-    """The index of the first call of ``kind`` (a prefix: "rename" matches renameat2) after
-    ``after`` that names paths ending as the patterns ``paths`` say, in order; fails naming it
-    if none does."""
-    for i, (call, named) in enumerate(calls):
-        ends = iter(named)
-        if i > after and call.startswith(kind) and all(any(re.search(f"{p}$", n) for n in ends) for p in paths):
-            return i
-    raise AssertionError(f"no {kind}({', '.join(paths)}) after call {after}:\n" +
-                         "\n".join(f"{i}: {c} {n}" for i, (c, n) in enumerate(calls) if "persist" in " ".join(n)))
+    return first_call(calls, kind, *paths, after=after, near="/persist")
 
 
 @pytest.mark.fault("power lost after a flush", phase="during a flush", framework="adapter runtime",
@@ -95,7 +67,7 @@ def test_fsync_off_leaves_the_checkpoint_s_files_and_the_manifest_to_the_page_ca
     of a checkpoint's files, its directories or the manifest; the pointer to the newest
     checkpoint, a few bytes, is synced all the same."""
     calls = traced_job(shm_dir, tmp_path, "off")
-    synced = [named for call, named in calls if call.startswith(("fsync", "fdatasync"))]
+    synced = [call.paths for call in calls if call.name.startswith(("fsync", "fdatasync"))]
     on_the_tier = [n for named in synced for n in named if "/persist" in n]
     assert not [n for n in on_the_tier if "/persist/." in n or "/persist/v" in n or "ftmem_flushed" in n], on_the_tier
     assert any("/persist/newest.tmp." in n for n in on_the_tier), on_the_tier
