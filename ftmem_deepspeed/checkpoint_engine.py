@@ -153,8 +153,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
         saved, stubs = runtime.next_save(version), Written(info.save_dir)
         for path, state_dict in files.items():
             metadata = {k: v for k, v in state_dict.items() if not holds_tensors(v)} if isinstance(state_dict, dict) else {}
-            write_stub(path, file_key(path), saved, metadata, (identity.world_size, identity.ranks_per_node),
-                       durable=False, pickles=self._entry_pickles)
+            write_stub(path, file_key(path), saved, self._entry_pickles(os.path.basename(path), metadata),
+                       (identity.world_size, identity.ranks_per_node), durable=False)
             stubs(path)
         runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()}, "tag": info.tag},
                      version, replicated=lambda t: id(t) in replicated,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 import pickle
 from typing import Any, Optional
 
@@ -59,7 +58,8 @@ class EntryPickles:
         self._kept: dict[tuple[str, str], tuple[Any, bytes]] = {}  # (file, entry) -> (its copy, its pickle)
 
     def __call__(self, file: str, metadata: dict) -> dict[str, bytes]:
-        """``file``: which of the rank's files (its name in the tag's directory)."""
+        """``file``: which of the rank's files (its name in the tag's directory); the same
+        bytes object for an entry as long as it is kept."""
         pickled = {}
         for name, value in metadata.items():
             kept = self._kept.get((file, name))
@@ -81,19 +81,19 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
-def write_stub(path: str, tag_file: str, version: VersionRef, metadata: dict, world: tuple[int, int],
-               durable: bool = True, pickles: Optional[EntryPickles] = None) -> None:
-    """``version``: the save the stub stands for, told apart from an earlier run's save of the
+def write_stub(path: str, tag_file: str, version: VersionRef, entries: dict[str, bytes], world: tuple[int, int],
+               durable: bool = True) -> None:
+    """``entries``: the file's tensor-free entries, each pickled (:class:`EntryPickles`);
+    ``version``: the save the stub stands for, told apart from an earlier run's save of the
     same number; ``world``: the writing job's (world size, ranks per node), for a refusal to
     name what a relaunch at another size changed. Not ``durable``: left to the page cache, for
     the caller to sync later (a save's stubs are synced by its copy thread, not the training
-    thread). ``pickles``: the writer's kept pickles of its entries, from one save to the next."""
+    thread)."""
     # Every DP replica writes the same model-states stub: each under a temporary name of its own.
     stub = io.BytesIO()
     # The metadata goes into the archive as bytes of its own pickles: torch.save's pickler asks
     # a Python hook about every object, and DeepSpeed's param_shapes alone are thousands of them,
     # written on the training thread at every save.
-    entries = (pickles or EntryPickles())(os.path.basename(tag_file), metadata)
     torch.save(_Stub({"format": STUB_FORMAT, "tag_file": tag_file, "job": version.job, "metadata": entries,
                       "world": list(world), "version": dataclasses.asdict(version)}), stub)
     write_atomically(path, stub.getvalue(), durable=durable)

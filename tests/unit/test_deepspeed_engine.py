@@ -29,7 +29,7 @@ def test_stub_files_are_told_apart_from_real_checkpoints_and_say_what_they_are(t
     torch.save({"module": {"w": torch.ones(3)}, "param_shapes": [{"w": torch.Size([3])}]}, real)
     metadata = {"global_steps": 3, "param_shapes": [{"w": torch.Size([3])}]}
     saved = VersionRef("job-a", 3, "0123456789abcdef.3", "0123456789abcdef")
-    write_stub(str(stub), "global_step3/stub.pt", saved, metadata, (4, 2))
+    write_stub(str(stub), "global_step3/stub.pt", saved, EntryPickles()("stub.pt", metadata), (4, 2))
     other.write_bytes(b"not a torch archive")
     assert is_stub(str(stub)) and not is_stub(str(real)) and not is_stub(str(other))
     assert not is_stub(str(tmp_path / "missing.pt"))
@@ -56,8 +56,8 @@ def test_a_stub_s_kept_entries_follow_every_change_of_the_entries_they_stand_for
     def written(step: int, metadata: dict) -> dict:
         tag_file = f"global_step{step}/mp_rank_00_model_states.pt"
         (tmp_path / f"global_step{step}").mkdir()
-        write_stub(str(tmp_path / tag_file), tag_file, VersionRef("job-a", step, f"run.{step}", "run"), metadata,
-                   (1, 1), pickles=pickles)
+        write_stub(str(tmp_path / tag_file), tag_file, VersionRef("job-a", step, f"run.{step}", "run"),
+                   pickles("mp_rank_00_model_states.pt", metadata), (1, 1))
         return read_stub(str(tmp_path / tag_file))["metadata"]
 
     shapes = [{f"layer{i}.weight": torch.Size([i + 1, 16]) for i in range(400)}]
