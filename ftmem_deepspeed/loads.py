@@ -16,8 +16,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from ftmem import FtmemError, NotRecoverableFromMemory, ParallelLayout, Restored
-from ftmem.adapter import (DISK, MEMORY, AdapterRuntime, DiskCheckpoint, OtherWorlds, RestoreTargets, Resumption,
-                           everyone_joins, flushed, job_info, lowest_rank_first)
+from ftmem.adapter import (DISK, MEMORY, AdapterRuntime, Adopted, DiskCheckpoint, OtherWorlds, RestoreTargets,
+                           Resumption, everyone_joins, flushed, job_info, lowest_rank_first)
 
 from .stub import is_stub, read_stub, version_of
 
@@ -251,15 +251,18 @@ class DeepSpeedLoads:
 
     def _of_this_job(self, stub: str) -> bool:
         """The stub is this job's, or the adopted one's (a load of another world's memory)."""
-        adopted = self._load.resumption.adopted if self._load is not None else None
+        adopted = self._adopted()
         return _stub(stub)["job"] in (self.runtime.identity.job, adopted and adopted.job)
 
     def _refuse_another_job_s(self, stub: str) -> None:
         """Refuse a checkpoint whose stubs another job wrote (:meth:`ftmem.adapter.AdapterRuntime.refuse_other_job`)."""
         info = _stub(stub)
         then = tuple(info["world"]) if info.get("format", 1) >= 2 else None  # format 1 does not say
-        adopted = self._load.resumption.adopted if self._load is not None else None
-        self.runtime.refuse_other_job(f"{stub} is a stub of", info["job"], then, adopted)
+        self.runtime.refuse_other_job(f"{stub} is a stub of", info["job"], then, self._adopted())
+
+    def _adopted(self) -> Optional[Adopted]:
+        """The other world's job the load under way adopted, if it did."""
+        return self._load.resumption.adopted if self._load is not None else None
 
     def _share_layer_files(self, files: dict) -> None:
         """The pipeline engine writes a stage's layer files from its first DP replica only,
