@@ -31,7 +31,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 
 from ftmem import FtmemConfig, FtmemError, ParallelLayout
 from ftmem.adapter import (AdapterRuntime, RestoreTargets, Written, apply_map_location, check_startup,
-                           gather_dp_groups, holds_tensors, job_info, save_atomically, tensors)
+                           gather_dp_groups, job_info, save_atomically, tensors)
 
 from .format import DeepSpeedFormat
 from .loads import DeepSpeedLoads, file_key
@@ -76,6 +76,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
         check_startup(self.config, dist.get_rank(), dist.get_world_size())
         self.runtime: Optional[AdapterRuntime] = None
         self._files: dict[str, Any] = {}
+        self._metadata: dict[str, dict] = {}  # per file, its tensor-free entries (what its stub carries)
         self._replicated: set[int] = set()
         self._written_in_forward: set[int] = set()
         self._creating: Optional[CheckpointCommitInfo] = None  # the save since create
@@ -100,7 +101,7 @@ class FtmemCheckpointEngine(CheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         # The runtime starts at commit: only then is it known whether this is a checkpoint
         # (whose save dir is the job's origin) or an export to some other directory.
-        self._files, self._replicated, self._written_in_forward = {}, set(), set()
+        self._files, self._metadata, self._replicated, self._written_in_forward = {}, {}, set(), set()
         self._creating = info
 
     def makedirs(self, path, exist_ok=False) -> None:
@@ -108,9 +109,13 @@ class FtmemCheckpointEngine(CheckpointEngine):
 
     def save(self, state_dict, path: str) -> None:
         self._files[path] = state_dict
-        if not isinstance(state_dict, dict) or "module" not in state_dict:
+        if not isinstance(state_dict, dict):
+            return
+        found = {key: tensors(value) for key, value in state_dict.items()}  # each entry walked once
+        self._metadata[path] = {key: value for key, value in state_dict.items() if not found[key]}
+        if "module" not in state_dict:
             return  # a ZeRO partition (the optimizer's), or a pipeline layer's file (a copy DeepSpeed made)
-        weights, written_in_forward = _weights_and_written_in_forward(state_dict)
+        weights, written_in_forward = _weights_and_written_in_forward(state_dict, found)
         self._written_in_forward |= written_in_forward
         if self._holds_replicated_module(state_dict):
             # Module weights (and, without ZeRO, the optimizer) are the same on every DP
@@ -130,8 +135,9 @@ class FtmemCheckpointEngine(CheckpointEngine):
         step: a snapshot of the same step would replace the one the save dir's stubs name)."""
         if isinstance(info, str):  # DeepSpeed 0.17 commits with the tag alone, of the info create was given
             info = self._creating
-        files, replicated, written_in_forward = self._files, self._replicated, self._written_in_forward
-        self._files, self._replicated, self._written_in_forward = {}, set(), set()
+        files, metadata, replicated, written_in_forward = (self._files, self._metadata, self._replicated,
+                                                           self._written_in_forward)
+        self._files, self._metadata, self._replicated, self._written_in_forward = {}, {}, set(), set()
         self.loaded()  # files served by path are of the versions before this one
         elsewhere = self._dir is not None and os.path.realpath(info.save_dir) != os.path.realpath(self._dir)
         if not _global_steps(files) or elsewhere:
@@ -151,9 +157,8 @@ class FtmemCheckpointEngine(CheckpointEngine):
         # The stubs go first, naming the save about to start: a version memory holds always has them.
         # The copy thread syncs them before the version commits, off the training thread.
         saved, stubs = runtime.next_save(version), Written(info.save_dir)
-        for path, state_dict in files.items():
-            metadata = {k: v for k, v in state_dict.items() if not holds_tensors(v)} if isinstance(state_dict, dict) else {}
-            write_stub(path, file_key(path), saved, self._entry_pickles(os.path.basename(path), metadata),
+        for path in files:
+            write_stub(path, file_key(path), saved, self._entry_pickles(os.path.basename(path), metadata.get(path, {})),
                        (identity.world_size, identity.ranks_per_node), durable=False)
             stubs(path)
         runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()}, "tag": info.tag},
@@ -242,19 +247,23 @@ class FtmemCheckpointEngine(CheckpointEngine):
             self._loads.end()
 
 
-def _weights_and_written_in_forward(model_states: dict) -> tuple[set[int], set[int]]:
+def _weights_and_written_in_forward(model_states: dict, found: dict) -> tuple[set[int], set[int]]:
     """The ids of a model-states file's module weights, and of its tensors that the next
     forward may write in place before the optimizer step: all but the module's weights and
     the optimizer's state (which only the step writes), that is the module's buffers (a
-    BatchNorm's running statistics), the client state, the scheduler's. (Each walk is over
-    the entries it needs, once: a save call pays for every tensor it visits.)"""
+    BatchNorm's running statistics), the client state, the scheduler's. ``found``: the tensors
+    under each of the file's entries. (A save call pays for every object it visits: each entry
+    is walked once.)"""
     buffers = set(model_states.get("buffer_names") or ())
     module = model_states.get("module") or {}
-    weights = {id(t) for t in tensors([value for name, value in module.items() if name not in buffers])}
-    kept_for_the_step = weights | {id(t) for t in tensors(model_states.get("optimizer"))}
-    elsewhere = [value for name, value in module.items() if name in buffers]
-    elsewhere += [value for key, value in model_states.items() if key not in ("module", "optimizer")]
-    return weights, {id(t) for t in tensors(elsewhere)} - kept_for_the_step
+    if buffers:
+        weights = {id(t) for t in tensors([value for name, value in module.items() if name not in buffers])}
+        in_buffers = tensors([value for name, value in module.items() if name in buffers])
+    else:
+        weights, in_buffers = {id(t) for t in found.get("module", ())}, []
+    kept_for_the_step = weights | {id(t) for t in found.get("optimizer", ())}
+    elsewhere = {id(t) for key, under in found.items() if key not in ("module", "optimizer") for t in under}
+    return weights, (elsewhere | {id(t) for t in in_buffers}) - kept_for_the_step
 
 
 def _global_steps(files: dict) -> set:
