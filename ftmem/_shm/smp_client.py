@@ -64,6 +64,7 @@ _spawned: list[subprocess.Popen] = []
 # How each reaped one ended (pid -> returncode): whichever thread reaps it, the client that
 # finds its SMP gone can still say how (one entry per SMP this process started: a handful).
 _ended: dict[int, int] = {}
+_STATUS_WAIT_S = 2.0  # for the exit status of an SMP found gone, while another thread reaps it
 
 
 def smp_timeout_s() -> float:
@@ -108,9 +109,16 @@ def _reap() -> None:
 
 
 def _how_it_ended(pid: int) -> str:
-    """How the SMP ``pid`` ended, in words: its exit status where this process started it."""
-    proc = next((p for p in _spawned if p.pid == pid), None)
-    code = _ended.get(pid) if proc is None else proc.poll()
+    """How the SMP ``pid``, found gone, ended, in words: its exit status where this process started it."""
+    proc = next((p for p in list(_spawned) if p.pid == pid), None)
+    code = _ended.get(pid)
+    if code is None and proc is not None:
+        # Not poll(): while another thread of the process polls it (a reap), poll() answers
+        # "still running". It is gone: wait() waits for that thread alone, then reads the status.
+        try:
+            code = proc.wait(timeout=_STATUS_WAIT_S)
+        except subprocess.TimeoutExpired:
+            code = None
     if code is None:
         return "it was not started by this process: `dmesg` says whether the kernel's OOM killer ended it"
     if code == -signal.SIGKILL:
