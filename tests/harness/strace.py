@@ -8,8 +8,11 @@ from typing import NamedTuple, Sequence
 
 # The calls that make a file durable, publish it, or delete it.
 CALLS = "fsync,fdatasync,rename,renameat,renameat2,unlink,unlinkat,rmdir"
-# One call as ``strace -f -y`` writes it: the thread, the call and its arguments, descriptors with their paths.
+# One call as ``strace -f -y`` writes it: the thread, the call and its arguments, descriptors with their paths;
+# or, where another thread's call came between, its start and, later, its end.
 _LINE = re.compile(r"^(\d+)\s+(\w+)\((.*)\)\s+=\s+(-?\d+)")
+_STARTED = re.compile(r"^(\d+)\s+(\w+)\((.*) <unfinished \.\.\.>$")
+_RESUMED = re.compile(r"^(\d+)\s+<\.\.\. (\w+) resumed>(.*)\)\s+=\s+(-?\d+)")
 _ARGS = re.compile(r'<([^<>]*)>|"([^"]*)"')
 
 
@@ -28,10 +31,20 @@ def strace(trace: str) -> list[str]:
 
 
 def calls_in(trace: str) -> list[Call]:
-    """Every successful call in ``trace``, in order."""
+    """Every successful call in ``trace``, in the order they started."""
+    started: list = []  # per call: [tid, name, arguments, result], the result None until it ends
+    running: dict[int, list] = {}  # per thread, its call that another thread's came into
     with open(trace) as f:
-        return [Call(int(m[1]), m[2], _paths(m[3])) for m in map(_LINE.match, f.read().splitlines())
-                if m and m[4] == "0"]
+        for line in f.read().splitlines():
+            if m := _LINE.match(line):
+                started.append([int(m[1]), m[2], m[3], m[4]])
+            elif m := _STARTED.match(line):
+                running[int(m[1])] = call = [int(m[1]), m[2], m[3], None]
+                started.append(call)
+            elif (m := _RESUMED.match(line)) and int(m[1]) in running:
+                call = running.pop(int(m[1]))
+                call[2], call[3] = call[2] + m[3], m[4]
+    return [Call(tid, name, _paths(args)) for tid, name, args, result in started if result == "0"]
 
 
 def _paths(args: str) -> list[str]:
