@@ -74,7 +74,9 @@ class LocalJob:
         def ready() -> bool:
             dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
             if dead and not predicate():
-                raise RuntimeError(f"rank(s) {dead} exited while waiting for {what}. Logs:\n{self.tails()}")
+                codes = ", ".join(f"{r}: {self.procs[r].poll()}" for r in dead)
+                raise RuntimeError(f"rank(s) {dead} exited (codes {codes}) while waiting for {what}. Logs:\n"
+                                   f"{self.tails()}")
             return predicate()
         wait_until(ready, timeout, what)
 

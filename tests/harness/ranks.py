@@ -65,6 +65,10 @@ class _ForkServer:
                 if "code" in message:
                     self._codes[message["pid"]] = message["code"]
                 else:
+                    # A pid the kernel gave again (pids wrap at pid_max within a suite's run): the
+                    # code of the child that had it before is not this one's. The server reports
+                    # that code before this fork (it reaps, then reports, and only then is the pid free).
+                    self._codes.pop(message["pid"], None)
                     self._forked.append(message["pid"])
                 self._changed.notify_all()
         with self._changed:  # the server is gone: no more reports
