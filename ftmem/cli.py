@@ -202,6 +202,9 @@ BENCHES = {
     "recovery": "a host lost (killed, or hung with SIGSTOP) in a DeepSpeed ZeRO-1 and a megatron-core job under torchrun "
                 "on 3 network-namespace hosts (root): the timeline from the failure to the first step after the "
                 "restart on the hosts left, against the default engine's restart from its files",
+    "control-plane": "the job's TCP store under N simulated ranks (64 to 16,384) running ftmem's own store code: the "
+                     "failure detector, the preemption decision, the end vote, group arrivals: requests per second "
+                     "at the store, the latency a rank sees, the time from an event to every rank",
     "soak": "a save every iteration for --iters iterations on 3 ranks and nodes: growth of RSS, threads, fds, "
             "sockets and shared memory; the job's memory freed at the end",
 }

@@ -68,3 +68,17 @@ def test_bench_protect_ends_with_its_result_line_draws_its_plot_and_frees_its_me
     assert [k for k, v in figures.items() if v <= 0] == [], figures
     assert f"plot: {plot}" in out.stdout and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_memory_freed(shm_dir)
+
+
+def test_bench_control_plane_ends_with_its_result_line_and_runs_each_path_on_every_rank():
+    """Every simulated rank runs each path to its end: each of the others hears of the rank
+    that fell silent (else the bench fails), and not before the detector's timeout (2 s with
+    --tiny); each records its arrival at a group in exactly two requests."""
+    figures = result_figures(run_cli("bench", "control-plane", "--tiny", "--workers", "1"))
+    paths, sizes = ("detector", "preemption", "end", "arrivals"), (16, 64)
+    assert set(figures) == {f"{path}_{n}_{key}" for path in paths for n in sizes
+                            for key in ("time_s", "store_rps_n", "per_rank_n", "p50_s", "p99_s", "store_cpu_x")} | {
+                               f"{path}_growth_x" for path in paths}, figures
+    assert [k for k, v in figures.items() if v <= 0 and not k.endswith("store_cpu_x")] == [], figures
+    assert all(figures[f"detector_{n}_time_s"] >= 2 for n in sizes), figures
+    assert all(figures[f"arrivals_{n}_per_rank_n"] == 2 for n in sizes), figures

@@ -1,0 +1,391 @@
+"""``ftmem bench control-plane``: the load ftmem's ranks put on the job's one TCP store, and
+how long an event takes to reach every rank, against the number of ranks.
+
+One real store (torch's ``TCPStore``, the kind torchrun's agent and the deepspeed launcher
+start, in a process of its own) and N simulated ranks, spread over worker processes as
+threads, each rank on a connection of its own. Each rank runs ftmem's own code for each path;
+only its training is left out:
+
+* ``detector``: the failure detector (:class:`~ftmem._engine.failure_detector.FailureDetector`)
+  of every rank beats and watches; then one rank falls silent as a failing one does, and the
+  figure is the time from its silence to every other rank's detector ending its rank (the
+  rank's end is recorded in place of ``os._exit``). It includes the detector's timeout
+  (``--detector-timeout-s``), which the output states beside it;
+* ``preemption``: every rank told to stop at once (a SIGTERM to every rank), each deciding
+  with the others whether the whole job was
+  (:func:`~ftmem._engine.preemption.whole_job_told`); the figure is the time until every rank
+  has the decision;
+* ``end``: every rank votes on the job's end (:func:`~ftmem._common.agreement.unanimous`,
+  the engine's close);
+* ``arrivals``: every rank records its arrival at a group's making, as ftmem's
+  ``new_group`` does (torch's own store barrier of the group is torch's and left out).
+
+Per path and N it prints the requests per second the store served (every request the ranks
+made, over the time from the first to the last; the detector's over a steady window, before
+the failure), the store's CPU seconds per second, the latency a rank saw per request (median,
+p99), and the event's time to every rank. Nothing is drained outside the timers. On this
+machine's 2 cores the ranks' own Python and the store share the CPU: the figures at the
+largest N are the machine's limit as much as the store's, and the output says how busy the
+CPU was.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import select
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from ftmem._common.agreement import Decision, unanimous
+from ftmem._engine.failure_detector import FailureDetector, interval_s
+from ftmem._engine.preemption import arrival_s, whole_job_told
+from ftmem.cli import Parser, positive_int
+
+RANKS = (64, 1024, 4096, 16384)
+PATHS = ("detector", "preemption", "end", "arrivals")
+WORKERS = 8
+RANKS_PER_NODE = 8
+DETECTOR_TIMEOUT_S = 20
+PREEMPTION_GRACE_S = 30  # a scheduler's usual grace: the ranks wait arrival_s of it for each other
+END_WAIT_S = 120.0  # the engine's close waits this long for the others (finish_timeout_s)
+START_WAIT_S = 300.0  # for the workers to connect their ranks
+CONNECTING = 64  # connections a worker makes at a time
+STACK_BYTES = 512 * 1024  # per simulated rank's thread: tens of thousands of them
+
+
+# -- a rank's connection, counting --------------------------------------------------------
+class CountedStore(dist.Store):
+    """A rank's own connection to the job's TCP store, which notes each request's kind, start
+    and latency. Every request goes to the real store."""
+
+    def __init__(self, host: str, port: int, wait_s: float):
+        super().__init__()
+        self._tcp = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=wait_s))
+        self.requests: list[tuple[str, float, float]] = []  # (kind, start, latency), monotonic seconds
+
+    def _timed(self, kind: str, call, *args):
+        start = time.monotonic()
+        try:
+            return call(*args)
+        finally:
+            self.requests.append((kind, start, time.monotonic() - start))
+
+    def set(self, key, value):
+        return self._timed("set", self._tcp.set, key, value)
+
+    def get(self, key):
+        return self._timed("get", self._tcp.get, key)
+
+    def add(self, key, amount):
+        return self._timed("add", self._tcp.add, key, amount)
+
+    def check(self, keys):
+        return self._timed("check", self._tcp.check, keys)
+
+    def compare_set(self, key, expected, desired):
+        return self._timed("compare_set", self._tcp.compare_set, key, expected, desired)
+
+    def wait(self, keys, timeout=None):
+        return self._timed("wait", self._tcp.wait, keys, *(() if timeout is None else (timeout,)))
+
+    def delete_key(self, key):
+        return self._timed("delete_key", self._tcp.delete_key, key)
+
+
+class SimulatedDetector(FailureDetector):
+    """ftmem's failure detector whose rank's end (``os._exit``) is recorded instead: the
+    worker's other ranks go on."""
+
+    ended_at: Optional[float] = None
+
+    def _end(self, verdict: str) -> None:
+        if self.ended_at is None and not self._stopped.is_set():
+            self.ended_at = time.monotonic()
+            self.verdict = verdict
+        self._stopped.set()
+
+
+# -- a worker: a share of the ranks ---------------------------------------------------------
+def worker(spec: dict) -> None:
+    """Run ``spec["ranks"]`` of a job of ``spec["world"]`` ranks on ``spec["path"]``: connect
+    them, say ready, wait for the start time on stdin, then print the figures as one JSON line."""
+    threading.stack_size(STACK_BYTES)
+    host, port, world, path, run = spec["host"], spec["port"], spec["world"], spec["path"], spec["run"]
+    ranks = range(*spec["ranks"])
+    timeout_s = float(spec["detector_timeout_s"])
+    wait_s = max(timeout_s, 60.0)
+    # Connected side by side: torch's store client looks the store's address up in DNS at each
+    # connection (for its log lines), and where the resolver is slow that is seconds each.
+    with ThreadPoolExecutor(CONNECTING) as pool:
+        stores = list(pool.map(lambda _: CountedStore(host, port, wait_s), ranks))
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())  # monotonic: the same clock in every process of the machine
+    done: list[float] = []
+    if path == "detector":
+        # Every rank's detector starts at the start (a job's start them after a collective): a
+        # watch that began before its watched rank's would count the gap as silence.
+        time.sleep(max(0.0, start - time.monotonic()))
+        detectors = []
+        for rank, store in zip(ranks, list(stores)):
+            detectors.append(SimulatedDetector(_connector(store, host, port, wait_s, stores), "the bench's store",
+                                               run, rank, world, RANKS_PER_NODE, timeout_s))
+        fail_at = start + spec["steady_s"]
+        victim = world - 1
+        time.sleep(max(0.0, fail_at - time.monotonic()))
+        for d in detectors:
+            if d.rank == victim:
+                d.fall_silent()
+        bound = fail_at + timeout_s + 6 * interval_s(timeout_s)
+        while time.monotonic() < bound and any(d.ended_at is None for d in detectors if d.rank != victim):
+            time.sleep(0.1)
+        done = [d.ended_at - fail_at if d.ended_at is not None else float("inf") for d in detectors if d.rank != victim]
+        for d in detectors:
+            d.stop()
+        window = (start + spec["warmup_s"], fail_at)
+    else:
+        def one(rank: int, store: CountedStore) -> None:
+            time.sleep(max(0.0, start - time.monotonic()))
+            if path == "preemption":
+                why_not = whole_job_told(rank, world, lambda: [], arrival_s(PREEMPTION_GRACE_S), store,
+                                         f"ftmem/preemption/{run}")
+                assert why_not is None, why_not
+            elif path == "end":
+                verdict = unanimous(store, f"ftmem/end/{run}", rank, world, None, END_WAIT_S)
+                assert verdict is None, verdict
+            else:
+                Decision(store, "ftmem/group_arrivals/1", rank, world).arrive()
+            done.append(time.monotonic() - start)
+        threads = [threading.Thread(target=one, args=(rank, store)) for rank, store in zip(ranks, stores)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        window = None
+    requests = [r for s in stores for r in s.requests if window is None or window[0] <= r[1] < window[1]]
+    print(json.dumps({"done": done, "starts": [r[1] for r in requests], "latencies": [r[2] for r in requests],
+                      "kinds": _counted(r[0] for r in requests), "ranks": len(ranks),
+                      "window": None if window is None else window[1] - window[0]}), flush=True)
+
+
+def _connector(first: CountedStore, host: str, port: int, wait_s: float, made: list):
+    """A detector's ``connect``: the rank's connection ``first``, then new ones (a beat that
+    failed takes one), added to ``made`` so that their requests count too."""
+    pending = [first]
+
+    def connect() -> CountedStore:
+        if pending:
+            return pending.pop()
+        store = CountedStore(host, port, wait_s)
+        made.append(store)
+        return store
+    return connect
+
+
+def _counted(kinds) -> dict:
+    counts: dict = {}
+    for kind in kinds:
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+# -- the store, in a process of its own -----------------------------------------------------
+def serve() -> None:
+    """The job's store: a TCPStore server on a free port (printed), until stdin closes."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=START_WAIT_S))
+    print(store.port, flush=True)
+    sys.stdin.read()
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_cpu_s() -> float:
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def _readline(proc: subprocess.Popen, bound: float, who: str) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, bound - time.monotonic()))
+    if not ready:
+        raise SystemExit(f"ftmem bench control-plane: {who} gave nothing within its bound; its output so far is "
+                         f"above")
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"ftmem bench control-plane: {who} ended (exit code {proc.wait()}) before giving its "
+                         f"figures: see its error above")
+    return line
+
+
+def measure(path: str, world: int, workers: int, detector_timeout_s: float) -> dict:
+    """One path at one size, on a store of its own."""
+    me = [sys.executable, "-m", "benchmarks.bench_control_plane"]
+    store = subprocess.Popen(me + ["--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs: list[subprocess.Popen] = []
+    try:
+        port = int(_readline(store, time.monotonic() + 60, "the store"))
+        run, share = uuid.uuid4().hex[:8], -(-world // workers)
+        warmup_s = 2 * interval_s(detector_timeout_s)  # every rank's detector started and beating
+        steady_s = warmup_s + 3 * interval_s(detector_timeout_s)
+        for first in range(0, world, share):
+            spec = {"host": "127.0.0.1", "port": port, "world": world, "path": path, "run": run,
+                    "ranks": [first, min(world, first + share)], "detector_timeout_s": detector_timeout_s,
+                    "steady_s": steady_s, "warmup_s": warmup_s}
+            procs.append(subprocess.Popen(me + ["--worker", json.dumps(spec)], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True))
+        bound = time.monotonic() + START_WAIT_S
+        for i, p in enumerate(procs):
+            assert _readline(p, bound, f"worker {i} (connecting its ranks)").strip() == "ready"
+        start = time.monotonic() + 0.5
+        store_cpu, machine_cpu = _cpu_s(store.pid), _machine_cpu_s()
+        for p in procs:
+            p.stdin.write(f"{start}\n")
+            p.stdin.flush()
+        bound = time.monotonic() + steady_s + 3 * detector_timeout_s + END_WAIT_S
+        parts = [json.loads(_readline(p, bound, f"worker {i} (running {path})")) for i, p in enumerate(procs)]
+        elapsed = time.monotonic() - start
+        store_cpu, machine_cpu = _cpu_s(store.pid) - store_cpu, _machine_cpu_s() - machine_cpu
+    finally:
+        for p in procs + [store]:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    starts = [s for part in parts for s in part["starts"]]
+    latencies = sorted(x for part in parts for x in part["latencies"])
+    done = [d for part in parts for d in part["done"]]
+    span = parts[0]["window"] or (max(s + x for part in parts for s, x in zip(part["starts"], part["latencies"]))
+                                  - min(starts))
+    kinds = _counted([])
+    for part in parts:
+        for kind, n in part["kinds"].items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    return {"time_s": max(done), "store_rps_n": len(starts) / span, "per_rank_n": len(starts) / world,
+            "p50_s": latencies[len(latencies) // 2], "p99_s": latencies[int(len(latencies) * 0.99)],
+            "store_cpu_x": store_cpu / elapsed, "machine_cpu_x": machine_cpu / elapsed, "kinds": kinds,
+            "unreached": sum(d == float("inf") for d in done)}
+
+
+def _threads_needed(path: str, world: int) -> int:
+    return world * (2 if path == "detector" else 1)
+
+
+def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, plot: Optional[str]) -> None:
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the store holds a connection per rank
+    for path in paths:
+        for n in sizes:
+            if _threads_needed(path, n) > pid_max * 0.9:
+                raise SystemExit(f"ftmem bench control-plane: {path} at {n} ranks runs {_threads_needed(path, n)} "
+                                 f"threads, and this machine's kernel.pid_max is {pid_max}: raise it (sysctl -w "
+                                 f"kernel.pid_max=4194304) or leave {n} out of --ranks")
+            if n + 64 > hard:
+                raise SystemExit(f"ftmem bench control-plane: the store takes a connection per rank, and this "
+                                 f"process may open {hard} files: raise the hard limit (ulimit -Hn) above {n + 64} "
+                                 f"or leave {n} out of --ranks")
+    print(f"ftmem bench control-plane: one TCPStore, ranks as threads of {workers} processes, {RANKS_PER_NODE} ranks "
+          f"a node; the detector's timeout {detector_timeout_s:g} s (a beat every "
+          f"{interval_s(detector_timeout_s):g} s); {os.cpu_count()} CPUs", flush=True)
+    print(f"{'path':10s} {'ranks':>6s} {'to every rank':>14s} {'store req/s':>12s} {'req/rank':>9s} "
+          f"{'p50 ms':>8s} {'p99 ms':>8s} {'store CPU':>9s} {'all CPU':>8s}  requests", flush=True)
+    result, rows = {}, {}
+    for path in paths:
+        for n in sizes:
+            m = measure(path, n, min(workers, n), detector_timeout_s)
+            if m["unreached"]:
+                raise SystemExit(f"ftmem bench control-plane: {m['unreached']} of {n - 1} ranks never heard of the "
+                                 f"silent rank: the detector did not reach them")
+            rows[path, n] = m
+            kinds = " ".join(f"{k}:{v}" for k, v in sorted(m["kinds"].items()))
+            print(f"{path:10s} {n:6d} {m['time_s']:12.3f} s {m['store_rps_n']:12.0f} {m['per_rank_n']:9.1f} "
+                  f"{m['p50_s'] * 1e3:8.2f} {m['p99_s'] * 1e3:8.2f} {m['store_cpu_x']:9.2f} "
+                  f"{m['machine_cpu_x']:8.2f}  {kinds}", flush=True)
+            for key in ("time_s", "store_rps_n", "per_rank_n", "p50_s", "p99_s", "store_cpu_x"):
+                result[f"{path}_{n}_{key}"] = m[key]
+        result[f"{path}_growth_x"] = rows[path, sizes[-1]]["time_s"] / rows[path, sizes[0]]["time_s"]
+    if "detector" in paths:
+        print(f"(the detector's times include its timeout of {detector_timeout_s:g} s: a silent rank is one whose "
+              f"counter has not moved for that long)")
+    print("(store req/s: per path, every request of the ranks over the time from the first to the last; the "
+          "detector's over its steady beats before the failure. CPU: seconds busy per second, of the store's process "
+          "and of the whole machine)")
+    if plot:
+        _plot(rows, sizes, paths, plot)
+    print("RESULT " + " ".join(f"{k}={v:.6g}" for k, v in result.items()))  # the last line, as every benchmark's
+
+
+def _plot(rows: dict, sizes, paths, path_png: str) -> None:
+    from benchmarks.plots import pyplot
+
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for path in paths:
+        left.plot(sizes, [rows[path, n]["time_s"] for n in sizes], marker="o", label=path)
+        right.plot(sizes, [rows[path, n]["store_rps_n"] for n in sizes], marker="o", label=path)
+    for ax, label in ((left, "event to every rank (s)"), (right, "requests per second at the store")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path_png)
+    print(f"plot: {path_png}")
+
+
+def _int_list(text: str) -> tuple:
+    return tuple(positive_int(part) for part in text.split(","))
+
+
+def _paths(text: str) -> tuple:
+    chosen = tuple(text.split(","))
+    unknown = [p for p in chosen if p not in PATHS]
+    if unknown:
+        raise ValueError(f"unknown path(s) {unknown}: choose from {', '.join(PATHS)}")
+    return chosen
+
+
+def main(argv=None) -> int:
+    """``ftmem bench control-plane``; with ``--serve``, the store; with ``--worker``, a share of the ranks."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--serve"]:
+        serve()
+        return 0
+    if argv[:1] == ["--worker"]:
+        worker(json.loads(argv[1]))
+        return 0
+    parser = Parser(prog="ftmem bench control-plane", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--ranks", type=_int_list, default=RANKS,
+                        help=f"simulated job sizes (default {','.join(map(str, RANKS))})")
+    parser.add_argument("--paths", type=_paths, default=PATHS, help=f"paths to run (default {','.join(PATHS)})")
+    parser.add_argument("--workers", type=positive_int, default=WORKERS,
+                        help=f"processes the ranks run in (default {WORKERS})")
+    parser.add_argument("--detector-timeout-s", type=positive_int, default=DETECTOR_TIMEOUT_S,
+                        help=f"the failure detector's timeout (default {DETECTOR_TIMEOUT_S}; ftmem's own default "
+                             f"is 60)")
+    parser.add_argument("--tiny", action="store_true", help="16 and 64 ranks, a detector timeout of 2 s (a check)")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figures (needs matplotlib)")
+    args = parser.parse_args(argv)
+    sizes, timeout_s = (args.ranks, args.detector_timeout_s) if not args.tiny else ((16, 64), 2)
+    bench_control_plane(sizes, args.paths, args.workers, timeout_s, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
