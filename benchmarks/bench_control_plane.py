@@ -11,12 +11,12 @@ only its training is left out:
   figure is the time from its silence to every other rank's detector ending its rank (the
   rank's end is recorded in place of ``os._exit``). It includes the detector's timeout
   (``--detector-timeout-s``), which the output states beside it;
-* ``preemption``: every rank told to stop at once (a SIGTERM to every rank), each deciding
-  with the others whether the whole job was
-  (:func:`~ftmem._engine.preemption.whole_job_told`); the figure is the time until every rank
-  has the decision;
+* ``preemption``: every rank told to stop (a SIGTERM to every rank, which a scheduler's
+  signals deliver over a second or so: ``--spread-s``), each deciding with the others whether
+  the whole job was (:func:`~ftmem._engine.preemption.whole_job_told`); the figure is the time
+  from the last rank's signal until every rank has the decision;
 * ``end``: every rank votes on the job's end (:func:`~ftmem._common.agreement.unanimous`,
-  the engine's close);
+  the engine's close), the ranks coming over the same spread; the time counts from the last;
 * ``arrivals``: every rank records its arrival at a group's making, as ftmem's
   ``new_group`` does (torch's own store barrier of the group is torch's and left out).
 
@@ -60,47 +60,66 @@ PREEMPTION_GRACE_S = 30  # a scheduler's usual grace: the ranks wait arrival_s o
 END_WAIT_S = 120.0  # the engine's close waits this long for the others (finish_timeout_s)
 START_WAIT_S = 300.0  # for the workers to connect their ranks
 CONNECTING = 64  # connections a worker makes at a time
+# Paths whose ranks come over a spread of time, not at once: a scheduler's SIGTERM reaches a
+# job's ranks within a second or two, and ranks end their training loops as far apart.
+SPREAD = ("preemption", "end")
+SPREAD_S = 1.0
 STACK_BYTES = 512 * 1024  # per simulated rank's thread: tens of thousands of them
 
 
 # -- a rank's connection, counting --------------------------------------------------------
 class CountedStore(dist.Store):
     """A rank's own connection to the job's TCP store, which notes each request's kind, start
-    and latency. Every request goes to the real store."""
+    and latency. Every request goes to the real store. ftmem's code takes a connection of its
+    own for each thread that may wait on the store (``own_connection``), which hands a store
+    that is no TCPStore back as it is: so the first thread to use this one has its connection,
+    and each other thread (the preemption's watch of its host) gets a new one, counted too."""
 
     def __init__(self, host: str, port: int, wait_s: float):
         super().__init__()
-        self._tcp = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                  timeout=timedelta(seconds=wait_s))
+        self._connect = lambda: dist.TCPStore(host, port, is_master=False, wait_for_workers=False,  # noqa: E731
+                                              timeout=timedelta(seconds=wait_s))
+        self._first, self._first_thread = self._connect(), None
+        self._lock, self._own = threading.Lock(), threading.local()
         self.requests: list[tuple[str, float, float]] = []  # (kind, start, latency), monotonic seconds
 
-    def _timed(self, kind: str, call, *args):
+    def _tcp(self) -> dist.TCPStore:
+        tcp = getattr(self._own, "tcp", None)
+        if tcp is None:
+            with self._lock:
+                if self._first_thread is None:
+                    self._first_thread, tcp = threading.get_ident(), self._first
+            self._own.tcp = tcp = tcp or self._connect()
+        return tcp
+
+    def _timed(self, method: str, *args):
+        tcp = self._tcp()
         start = time.monotonic()
         try:
-            return call(*args)
+            return getattr(tcp, method)(*args)
         finally:
-            self.requests.append((kind, start, time.monotonic() - start))
+            self.requests.append((method, start, time.monotonic() - start))
 
     def set(self, key, value):
-        return self._timed("set", self._tcp.set, key, value)
+        return self._timed("set", key, value)
 
     def get(self, key):
-        return self._timed("get", self._tcp.get, key)
+        return self._timed("get", key)
 
     def add(self, key, amount):
-        return self._timed("add", self._tcp.add, key, amount)
+        return self._timed("add", key, amount)
 
     def check(self, keys):
-        return self._timed("check", self._tcp.check, keys)
+        return self._timed("check", keys)
 
     def compare_set(self, key, expected, desired):
-        return self._timed("compare_set", self._tcp.compare_set, key, expected, desired)
+        return self._timed("compare_set", key, expected, desired)
 
     def wait(self, keys, timeout=None):
-        return self._timed("wait", self._tcp.wait, keys, *(() if timeout is None else (timeout,)))
+        return self._timed("wait", keys, *(() if timeout is None else (timeout,)))
 
     def delete_key(self, key):
-        return self._timed("delete_key", self._tcp.delete_key, key)
+        return self._timed("delete_key", key)
 
 
 class SimulatedDetector(FailureDetector):
@@ -154,8 +173,12 @@ def worker(spec: dict) -> None:
             d.stop()
         window = (start + spec["warmup_s"], fail_at)
     else:
+        spread_s = spec["spread_s"] if path in SPREAD else 0.0
+        everyone_at = start + spread_s  # the event's end: the last rank's signal, or its end of training
+
         def one(rank: int, store: CountedStore) -> None:
-            time.sleep(max(0.0, start - time.monotonic()))
+            # The ranks come in a shuffled order over the spread, not a worker's at a time.
+            time.sleep(max(0.0, start + spread_s * (rank * 7919 % world) / world - time.monotonic()))
             if path == "preemption":
                 why_not = whole_job_told(rank, world, lambda: [], arrival_s(PREEMPTION_GRACE_S), store,
                                          f"ftmem/preemption/{run}")
@@ -165,7 +188,7 @@ def worker(spec: dict) -> None:
                 assert verdict is None, verdict
             else:
                 Decision(store, "ftmem/group_arrivals/1", rank, world).arrive()
-            done.append(time.monotonic() - start)
+            done.append(time.monotonic() - everyone_at)
         threads = [threading.Thread(target=one, args=(rank, store)) for rank, store in zip(ranks, stores)]
         for t in threads:
             t.start()
@@ -232,7 +255,7 @@ def _readline(proc: subprocess.Popen, bound: float, who: str) -> str:
     return line
 
 
-def measure(path: str, world: int, workers: int, detector_timeout_s: float) -> dict:
+def measure(path: str, world: int, workers: int, detector_timeout_s: float, spread_s: float) -> dict:
     """One path at one size, on a store of its own."""
     me = [sys.executable, "-m", "benchmarks.bench_control_plane"]
     store = subprocess.Popen(me + ["--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -245,7 +268,7 @@ def measure(path: str, world: int, workers: int, detector_timeout_s: float) -> d
         for first in range(0, world, share):
             spec = {"host": "127.0.0.1", "port": port, "world": world, "path": path, "run": run,
                     "ranks": [first, min(world, first + share)], "detector_timeout_s": detector_timeout_s,
-                    "steady_s": steady_s, "warmup_s": warmup_s}
+                    "steady_s": steady_s, "warmup_s": warmup_s, "spread_s": spread_s}
             procs.append(subprocess.Popen(me + ["--worker", json.dumps(spec)], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True))
         bound = time.monotonic() + START_WAIT_S
@@ -256,7 +279,7 @@ def measure(path: str, world: int, workers: int, detector_timeout_s: float) -> d
         for p in procs:
             p.stdin.write(f"{start}\n")
             p.stdin.flush()
-        bound = time.monotonic() + steady_s + 3 * detector_timeout_s + END_WAIT_S
+        bound = time.monotonic() + steady_s + spread_s + 3 * detector_timeout_s + END_WAIT_S
         parts = [json.loads(_readline(p, bound, f"worker {i} (running {path})")) for i, p in enumerate(procs)]
         elapsed = time.monotonic() - start
         store_cpu, machine_cpu = _cpu_s(store.pid) - store_cpu, _machine_cpu_s() - machine_cpu
@@ -284,7 +307,8 @@ def _threads_needed(path: str, world: int) -> int:
     return world * (2 if path == "detector" else 1)
 
 
-def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, plot: Optional[str]) -> None:
+def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, spread_s: float,
+                        plot: Optional[str]) -> None:
     with open("/proc/sys/kernel/pid_max") as f:
         pid_max = int(f.read())
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -301,13 +325,14 @@ def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, p
                                  f"or leave {n} out of --ranks")
     print(f"ftmem bench control-plane: one TCPStore, ranks as threads of {workers} processes, {RANKS_PER_NODE} ranks "
           f"a node; the detector's timeout {detector_timeout_s:g} s (a beat every "
-          f"{interval_s(detector_timeout_s):g} s); {os.cpu_count()} CPUs", flush=True)
+          f"{interval_s(detector_timeout_s):g} s); the ranks come to {' and '.join(SPREAD)} over {spread_s:g} s, "
+          f"each path's time to every rank counts from the last; {os.cpu_count()} CPUs", flush=True)
     print(f"{'path':10s} {'ranks':>6s} {'to every rank':>14s} {'store req/s':>12s} {'req/rank':>9s} "
           f"{'p50 ms':>8s} {'p99 ms':>8s} {'store CPU':>9s} {'all CPU':>8s}  requests", flush=True)
     result, rows = {}, {}
     for path in paths:
         for n in sizes:
-            m = measure(path, n, min(workers, n), detector_timeout_s)
+            m = measure(path, n, min(workers, n), detector_timeout_s, spread_s)
             if m["unreached"]:
                 raise SystemExit(f"ftmem bench control-plane: {m['unreached']} of {n - 1} ranks never heard of the "
                                  f"silent rank: the detector did not reach them")
@@ -379,11 +404,13 @@ def main(argv=None) -> int:
     parser.add_argument("--detector-timeout-s", type=positive_int, default=DETECTOR_TIMEOUT_S,
                         help=f"the failure detector's timeout (default {DETECTOR_TIMEOUT_S}; ftmem's own default "
                              f"is 60)")
+    parser.add_argument("--spread-s", type=float, default=SPREAD_S,
+                        help=f"seconds over which the ranks come to {' and '.join(SPREAD)} (default {SPREAD_S:g})")
     parser.add_argument("--tiny", action="store_true", help="16 and 64 ranks, a detector timeout of 2 s (a check)")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figures (needs matplotlib)")
     args = parser.parse_args(argv)
     sizes, timeout_s = (args.ranks, args.detector_timeout_s) if not args.tiny else ((16, 64), 2)
-    bench_control_plane(sizes, args.paths, args.workers, timeout_s, args.plot)
+    bench_control_plane(sizes, args.paths, args.workers, timeout_s, args.spread_s, args.plot)
     return 0
 
 
