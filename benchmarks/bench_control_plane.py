@@ -23,10 +23,11 @@ only its training is left out:
 Per path and N it prints the requests per second the store served (every request the ranks
 made, over the time from the first to the last; the detector's over a steady window, before
 the failure), the store's CPU seconds per second, the latency a rank saw per request (median,
-p99), and the event's time to every rank. Nothing is drained outside the timers. On this
-machine's 2 cores the ranks' own Python and the store share the CPU: the figures at the
-largest N are the machine's limit as much as the store's, and the output says how busy the
-CPU was.
+p99), the event's time to every rank, and the time from the first rank knowing to the last
+(the detector's: from the verdict's first reader to its last, the timeout's phase aside).
+Nothing is drained outside the timers. On this machine's 2 cores the ranks' own Python and
+the store share the CPU: the figures at the largest N are the machine's limit as much as the
+store's, and the output says how busy the CPU was.
 """
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ import json
 import os
 import resource
 import select
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -47,6 +50,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ftmem._common.agreement import Decision, unanimous
+from ftmem._common.job_store import StandingConnection
 from ftmem._engine.failure_detector import FailureDetector, interval_s
 from ftmem._engine.preemption import arrival_s, whole_job_told
 from ftmem.cli import Parser, positive_int
@@ -54,6 +58,7 @@ from ftmem.cli import Parser, positive_int
 RANKS = (64, 1024, 4096, 16384)
 PATHS = ("detector", "preemption", "end", "arrivals")
 WORKERS = 8
+RANKS_PER_CPU = 2048
 RANKS_PER_NODE = 8
 DETECTOR_TIMEOUT_S = 20
 PREEMPTION_GRACE_S = 30  # a scheduler's usual grace: the ranks wait arrival_s of it for each other
@@ -97,6 +102,12 @@ class CountedStore(dist.Store):
         start = time.monotonic()
         try:
             return getattr(tcp, method)(*args)
+        except Exception:
+            # A request that timed out leaves its answer on the way: the thread's next request
+            # takes a new connection, as a rank's next own_connection would.
+            if method != "wait":  # (a wait that runs out is cancelled: its connection is sound)
+                self._own.tcp = None
+            raise
         finally:
             self.requests.append((method, start, time.monotonic() - start))
 
@@ -120,6 +131,9 @@ class CountedStore(dist.Store):
 
     def delete_key(self, key):
         return self._timed("delete_key", key)
+
+    def set_timeout(self, timeout):
+        self._tcp().set_timeout(timeout)  # on this end alone: no request
 
 
 class SimulatedDetector(FailureDetector):
@@ -168,27 +182,34 @@ def worker(spec: dict) -> None:
         bound = fail_at + timeout_s + 6 * interval_s(timeout_s)
         while time.monotonic() < bound and any(d.ended_at is None for d in detectors if d.rank != victim):
             time.sleep(0.1)
-        done = [d.ended_at - fail_at if d.ended_at is not None else float("inf") for d in detectors if d.rank != victim]
+        done = [d.ended_at - fail_at for d in detectors if d.rank != victim and d.ended_at is not None]
+        missed = [f"rank {d.rank} never heard" for d in detectors if d.rank != victim and d.ended_at is None]
         for d in detectors:
             d.stop()
         window = (start + spec["warmup_s"], fail_at)
     else:
         spread_s = spec["spread_s"] if path in SPREAD else 0.0
+        missed: list[str] = []  # the answers of ranks that decided otherwise
         everyone_at = start + spread_s  # the event's end: the last rank's signal, or its end of training
 
         def one(rank: int, store: CountedStore) -> None:
             # The ranks come in a shuffled order over the spread, not a worker's at a time.
-            time.sleep(max(0.0, start + spread_s * (rank * 7919 % world) / world - time.monotonic()))
+            time.sleep(max(0.0, start + spread_s * (rank * 7919 % world) / (world - 1) - time.monotonic()))
             if path == "preemption":
-                why_not = whole_job_told(rank, world, lambda: [], arrival_s(PREEMPTION_GRACE_S), store,
-                                         f"ftmem/preemption/{run}")
-                assert why_not is None, why_not
+                wait_s = arrival_s(PREEMPTION_GRACE_S)
+                # (A job makes the connection at the engine's start; on one made already, as here, that
+                # asks nothing of the store.)
+                answer = whole_job_told(rank, world, lambda: [], wait_s, StandingConnection(store, wait_s).take(
+                    wait_s), f"ftmem/preemption/{run}")
             elif path == "end":
-                verdict = unanimous(store, f"ftmem/end/{run}", rank, world, None, END_WAIT_S)
-                assert verdict is None, verdict
+                answer = unanimous(StandingConnection(store, END_WAIT_S).take(END_WAIT_S), f"ftmem/end/{run}", rank,
+                                   world, None, END_WAIT_S)
             else:
-                Decision(store, "ftmem/group_arrivals/1", rank, world).arrive()
-            done.append(time.monotonic() - everyone_at)
+                answer = Decision(store, "ftmem/group_arrivals/1", rank, world).arrive() and None
+            if answer is None:  # every rank was told, every rank finished
+                done.append(time.monotonic() - everyone_at)
+            else:
+                missed.append(answer)
         threads = [threading.Thread(target=one, args=(rank, store)) for rank, store in zip(ranks, stores)]
         for t in threads:
             t.start()
@@ -196,7 +217,10 @@ def worker(spec: dict) -> None:
             t.join()
         window = None
     requests = [r for s in stores for r in s.requests if window is None or window[0] <= r[1] < window[1]]
-    print(json.dumps({"done": done, "starts": [r[1] for r in requests], "latencies": [r[2] for r in requests],
+    print(json.dumps({"done": done, "missed": missed, "requests": len(requests),
+                      "first": min(r[1] for r in requests), "last": max(r[1] + r[2] for r in requests),
+                      # a wait's is how long the answer took to come, not the store's
+                      "latencies": [r[2] for r in requests if r[0] != "wait"],
                       "kinds": _counted(r[0] for r in requests), "ranks": len(ranks),
                       "window": None if window is None else window[1] - window[0]}), flush=True)
 
@@ -255,9 +279,30 @@ def _readline(proc: subprocess.Popen, bound: float, who: str) -> str:
     return line
 
 
-def measure(path: str, world: int, workers: int, detector_timeout_s: float, spread_s: float) -> dict:
-    """One path at one size, on a store of its own."""
-    me = [sys.executable, "-m", "benchmarks.bench_control_plane"]
+def names_from_files(directory: str) -> list[str]:
+    """A command prefix under which a process resolves host names and addresses from
+    /etc/hosts alone (a mount namespace of its own, where nsswitch.conf says ``hosts: files``),
+    or [] where this process cannot make one (it needs root). torch's store looks up the
+    address of every new connection by name (for its log lines), on the one thread that serves
+    every request: a resolver that drops queries (this machine's does, 5 s each) would stall
+    the whole store at each, and make the bench's start take hours at 16,384 ranks."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return []
+    conf = os.path.join(directory, "nsswitch.conf")
+    with open("/etc/nsswitch.conf") as f:
+        lines = [line for line in f.read().splitlines() if not line.split(":")[0].strip() == "hosts"]
+    with open(conf, "w") as f:
+        f.write("\n".join(lines + ["hosts: files"]) + "\n")
+    prefix = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" /etc/nsswitch.conf && exec "$@"', conf]
+    if subprocess.run(prefix + ["true"], capture_output=True).returncode != 0:
+        return []
+    return prefix
+
+
+def measure(path: str, world: int, workers: int, detector_timeout_s: float, spread_s: float,
+            prefix: list[str]) -> dict:
+    """One path at one size, on a store of its own; its processes started under ``prefix``."""
+    me = prefix + [sys.executable, "-m", "benchmarks.bench_control_plane"]
     store = subprocess.Popen(me + ["--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     procs: list[subprocess.Popen] = []
     try:
@@ -288,19 +333,20 @@ def measure(path: str, world: int, workers: int, detector_timeout_s: float, spre
             if p.poll() is None:
                 p.kill()
             p.wait()
-    starts = [s for part in parts for s in part["starts"]]
+    requests = sum(part["requests"] for part in parts)
     latencies = sorted(x for part in parts for x in part["latencies"])
     done = [d for part in parts for d in part["done"]]
-    span = parts[0]["window"] or (max(s + x for part in parts for s, x in zip(part["starts"], part["latencies"]))
-                                  - min(starts))
+    missed = [answer for part in parts for answer in part["missed"]]
+    span = parts[0]["window"] or max(part["last"] for part in parts) - min(part["first"] for part in parts)
     kinds = _counted([])
     for part in parts:
         for kind, n in part["kinds"].items():
             kinds[kind] = kinds.get(kind, 0) + n
-    return {"time_s": max(done), "store_rps_n": len(starts) / span, "per_rank_n": len(starts) / world,
+    return {"time_s": max(done, default=0.0), "first_to_last_s": max(done, default=0.0) - min(done, default=0.0),
+            "missed_n": len(missed), "missed": missed[:1], "store_rps_n": requests / span,
+            "per_rank_n": requests / world,
             "p50_s": latencies[len(latencies) // 2], "p99_s": latencies[int(len(latencies) * 0.99)],
-            "store_cpu_x": store_cpu / elapsed, "machine_cpu_x": machine_cpu / elapsed, "kinds": kinds,
-            "unreached": sum(d == float("inf") for d in done)}
+            "store_cpu_x": store_cpu / elapsed, "machine_cpu_x": machine_cpu / elapsed, "kinds": kinds}
 
 
 def _threads_needed(path: str, world: int) -> int:
@@ -323,25 +369,31 @@ def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, s
                 raise SystemExit(f"ftmem bench control-plane: the store takes a connection per rank, and this "
                                  f"process may open {hard} files: raise the hard limit (ulimit -Hn) above {n + 64} "
                                  f"or leave {n} out of --ranks")
+    prefix = names_from_files(tempfile.mkdtemp(prefix="ftmem-bench-"))
+    if not prefix:
+        print("(not root: the store's processes resolve names as this machine does; where the resolver is slow, "
+              "so is every new connection to the store, and the bench's start)")
     print(f"ftmem bench control-plane: one TCPStore, ranks as threads of {workers} processes, {RANKS_PER_NODE} ranks "
           f"a node; the detector's timeout {detector_timeout_s:g} s (a beat every "
           f"{interval_s(detector_timeout_s):g} s); the ranks come to {' and '.join(SPREAD)} over {spread_s:g} s, "
           f"each path's time to every rank counts from the last; {os.cpu_count()} CPUs", flush=True)
-    print(f"{'path':10s} {'ranks':>6s} {'to every rank':>14s} {'store req/s':>12s} {'req/rank':>9s} "
-          f"{'p50 ms':>8s} {'p99 ms':>8s} {'store CPU':>9s} {'all CPU':>8s}  requests", flush=True)
+    print(f"{'path':10s} {'ranks':>6s} {'to every rank':>14s} {'first to last':>13s} {'store req/s':>12s} "
+          f"{'req/rank':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'store CPU':>9s} {'all CPU':>8s}  requests", flush=True)
     result, rows = {}, {}
     for path in paths:
         for n in sizes:
-            m = measure(path, n, min(workers, n), detector_timeout_s, spread_s)
-            if m["unreached"]:
-                raise SystemExit(f"ftmem bench control-plane: {m['unreached']} of {n - 1} ranks never heard of the "
-                                 f"silent rank: the detector did not reach them")
+            m = measure(path, n, min(workers, n), detector_timeout_s, spread_s, prefix)
             rows[path, n] = m
             kinds = " ".join(f"{k}:{v}" for k, v in sorted(m["kinds"].items()))
-            print(f"{path:10s} {n:6d} {m['time_s']:12.3f} s {m['store_rps_n']:12.0f} {m['per_rank_n']:9.1f} "
+            print(f"{path:10s} {n:6d} {m['time_s']:12.3f} s {m['first_to_last_s']:11.3f} s {m['store_rps_n']:12.0f} "
+                  f"{m['per_rank_n']:9.1f} "
                   f"{m['p50_s'] * 1e3:8.2f} {m['p99_s'] * 1e3:8.2f} {m['store_cpu_x']:9.2f} "
                   f"{m['machine_cpu_x']:8.2f}  {kinds}", flush=True)
-            for key in ("time_s", "store_rps_n", "per_rank_n", "p50_s", "p99_s", "store_cpu_x"):
+            if m["missed_n"]:
+                print(f"  ^ {m['missed_n']} rank(s) decided otherwise or never heard, e.g. {m['missed'][0]!r} (their "
+                      f"times are not in the row)", flush=True)
+            for key in ("time_s", "first_to_last_s", "missed_n", "store_rps_n", "per_rank_n", "p50_s", "p99_s",
+                        "store_cpu_x"):
                 result[f"{path}_{n}_{key}"] = m[key]
         result[f"{path}_growth_x"] = rows[path, sizes[-1]]["time_s"] / rows[path, sizes[0]]["time_s"]
     if "detector" in paths:
@@ -374,6 +426,19 @@ def _plot(rows: dict, sizes, paths, path_png: str) -> None:
     print(f"plot: {path_png}")
 
 
+def _default_sizes() -> tuple:
+    """RANKS, those this machine can run in time: each simulated rank is a thread (two for the
+    detector) running ftmem's Python, and past a few thousand a CPU the threads' contention for
+    the interpreter, not the store, is what the figures measure (16,384 ranks on 2 CPUs did not
+    finish a decision within minutes). --ranks runs any size."""
+    fits = tuple(n for n in RANKS if n <= RANKS_PER_CPU * (os.cpu_count() or 1))
+    if fits != RANKS:
+        left_out = ", ".join(str(n) for n in RANKS if n not in fits)
+        print(f"(leaving out {left_out} ranks: more than {RANKS_PER_CPU} a CPU on this machine's {os.cpu_count()}; "
+              f"--ranks runs them)")
+    return fits
+
+
 def _int_list(text: str) -> tuple:
     return tuple(positive_int(part) for part in text.split(","))
 
@@ -396,8 +461,9 @@ def main(argv=None) -> int:
         worker(json.loads(argv[1]))
         return 0
     parser = Parser(prog="ftmem bench control-plane", description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--ranks", type=_int_list, default=RANKS,
-                        help=f"simulated job sizes (default {','.join(map(str, RANKS))})")
+    parser.add_argument("--ranks", type=_int_list, default=None,
+                        help=f"simulated job sizes (default {','.join(map(str, RANKS))}, those up to "
+                             f"{RANKS_PER_CPU} a CPU)")
     parser.add_argument("--paths", type=_paths, default=PATHS, help=f"paths to run (default {','.join(PATHS)})")
     parser.add_argument("--workers", type=positive_int, default=WORKERS,
                         help=f"processes the ranks run in (default {WORKERS})")
@@ -409,7 +475,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="16 and 64 ranks, a detector timeout of 2 s (a check)")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figures (needs matplotlib)")
     args = parser.parse_args(argv)
-    sizes, timeout_s = (args.ranks, args.detector_timeout_s) if not args.tiny else ((16, 64), 2)
+    if args.tiny:
+        sizes, timeout_s = (16, 64), 2
+    else:
+        sizes, timeout_s = args.ranks or _default_sizes(), args.detector_timeout_s
     bench_control_plane(sizes, args.paths, args.workers, timeout_s, args.spread_s, args.plot)
     return 0
 
