@@ -16,9 +16,9 @@ otherwise leaves the job split. A decision is a few keys under a prefix of its o
 
 Every wait is bounded by the caller, and names who did not come. The prefix must be new for
 each decision: under a run's id (new at each start of the engine, the same on every rank) on a
-connection of the caller's own (:meth:`Decision.own`: outside the prefixes a launcher adds per
-attempt), or a counter's on the default store, whose prefix is the attempt's. Stale keys of an
-earlier attempt are never read.
+connection of the caller's own (:func:`~ftmem._common.job_store.own_connection`: outside the
+prefixes a launcher adds per attempt), or a counter's on the default store, whose prefix is the
+attempt's. Stale keys of an earlier attempt are never read.
 """
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from ftmem._common.job_store import own_connection, served_here, until_counted
+from ftmem._common.job_store import served_here, until_counted
 
 # How long a rank whose process serves the store waits for the others to read an answer
 # before its process ends (and the store with it): they poll every beat or 50 ms.
 READ_WAIT_S = 2.0
+# A rank's requests in a decision it waits for: its arrival (2), the wait, the answer, its read.
+# The rank that answers makes 4: its arrival, the answer, its read.
+REQUESTS_PER_DECISION = 5
 _AGREED = "agreed"
 
 
@@ -50,13 +53,6 @@ class Decision:
     def serves_the_store(self) -> bool:
         """This process serves the store, which ends with it (read off /proc once, where asked)."""
         return served_here(self._store)
-
-    @classmethod
-    def own(cls, job_store: dist.Store, prefix: str, rank: int, world_size: int, wait_s: float,
-            ranks: Optional[Sequence[int]] = None) -> "Decision":
-        """A decision on a connection of its own to ``job_store``, each call bounded by
-        ``wait_s`` (:func:`ftmem._common.job_store.own_connection`); ``prefix`` must name the run."""
-        return cls(own_connection(job_store, wait_s), prefix, rank, world_size, ranks)
 
     def arrive(self) -> int:
         """Say that this rank came; how many ranks have, this one included."""
@@ -110,15 +106,16 @@ class Decision:
             self._store.delete_key(self._key + key)
 
 
-def unanimous(job_store: Optional[dist.Store], prefix: str, rank: int, world_size: int, objection: Optional[str],
+def unanimous(connection: Optional[dist.Store], prefix: str, rank: int, world_size: int, objection: Optional[str],
               wait_s: float) -> Optional[str]:
     """None if every rank comes within ``wait_s`` without an objection; else the objection
     that holds for every rank: the first one put (``rank R: <objection>``), or the ranks that
     did not come. A rank with an objection does not wait for the others: its answer is known.
-    On a connection of its own to ``job_store`` (None: one rank alone), under ``prefix`` (the run's)."""
-    if job_store is None or world_size == 1:
+    On ``connection``, this rank's own to the job's store (None: one rank alone;
+    :class:`~ftmem._common.job_store.StandingConnection`), under ``prefix`` (the run's)."""
+    if connection is None or world_size == 1:
         return None if objection is None else f"rank {rank}: {objection}"
-    decision = Decision.own(job_store, prefix, rank, world_size, wait_s)
+    decision = Decision(connection, prefix, rank, world_size)
     came = decision.arrive()
     if objection is not None:
         held = decision.propose(f"rank {rank}: {objection}")

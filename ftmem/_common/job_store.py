@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from ftmem._common.logs import log
+
 _LISTEN = "0A"  # a TCP socket's state in /proc/net/tcp*
 _POLL_S = 0.05
 
@@ -50,6 +52,39 @@ def own_connection(store: dist.Store, wait_s: float) -> dist.Store:
                         f"it ended)") from e
     return dist.TCPStore(tcp.host, tcp.port, is_master=False, wait_for_workers=False,
                          timeout=timedelta(seconds=wait_s))
+
+
+class StandingConnection:
+    """A connection of this rank's own to the job's store, made ahead of the job-wide decision
+    it is for (the job's end, a preemption's: at the engine's start) rather than at it. At the
+    decision every rank of the job comes within a second or so, and torch's store looks up the
+    address of each new connection by name (a reverse DNS query) on the one thread that serves
+    every request: 16,384 ranks connecting at once would hold the store for seconds, longer than
+    a preemption's decision may take.
+
+    Made ahead, it may sit idle for days, and something on the way may drop an idle
+    connection (a proxy's or conntrack's idle timeout): :meth:`take` checks it with one request
+    bounded by :data:`PROBE_S` and takes a new connection where that fails."""
+
+    def __init__(self, job_store: dist.Store, wait_s: float):
+        self._job_store = job_store
+        self._connection = own_connection(job_store, wait_s)
+
+    def take(self, wait_s: float) -> dist.Store:
+        """The connection, each call on it bounded by ``wait_s``, ready for a decision."""
+        try:
+            self._connection.set_timeout(timedelta(seconds=PROBE_S))
+            self._connection.check([_PROBE_KEY])
+            self._connection.set_timeout(timedelta(seconds=wait_s))
+        except Exception as e:  # dropped on the way (or the store is gone: the new one says so)
+            log.debug("ftmem's connection to %s did not answer (%s): taking a new one", store_name(self._job_store), e)
+            self._connection = own_connection(self._job_store, wait_s)
+        return self._connection
+
+
+PROBE_S = 1.0
+PROBE_REQUESTS = 1  # what taking it asks of the store
+_PROBE_KEY = "ftmem/probe"
 
 
 def store_name(store: dist.Store) -> str:

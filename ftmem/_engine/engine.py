@@ -38,6 +38,7 @@ from ftmem._common import compat, exit_status, open_files
 from ftmem._common.deprecation import Renamed
 from ftmem._common.agreement import unanimous
 from ftmem._common.collective import Arrivals, collective_timeout_s, gather, new_group
+from ftmem._common.job_store import StandingConnection
 from ftmem._common.logs import job_info, rank_warning
 from ftmem._engine.failure_detector import FailureDetector
 from ftmem._engine.handover import FlushHandOver
@@ -165,6 +166,8 @@ class SnapshotEngine:
         # Held from the start: the job's end decides on it, also after the script destroyed
         # torch.distributed's groups (and, on the rank whose process serves it, keeps it served).
         self._job_store = dist.distributed_c10d._get_default_store() if world_size > 1 else None
+        # The end vote's connection, made now: at the job's end every rank would make one at once.
+        self._end_connection = StandingConnection(self._job_store, finish_timeout_s()) if world_size > 1 else None
 
     def _attach_to_the_node(self) -> None:
         """This rank's SMP (started if the node has none) and its slots in the node's shared
@@ -443,8 +446,9 @@ class SnapshotEngine:
         one does not wait for the others, one without waits at most :func:`finish_timeout_s`.
         Else why not, the same on every rank; a store that does not answer is a no."""
         try:
-            verdict = unanimous(self._job_store, f"ftmem/{what}/{self._run}", self.rank, self.identity.world_size,
-                                objection, finish_timeout_s())
+            wait_s = finish_timeout_s()
+            verdict = unanimous(self._end_connection.take(wait_s) if self._end_connection is not None else None,
+                                f"ftmem/{what}/{self._run}", self.rank, self.identity.world_size, objection, wait_s)
         except Exception as e:  # the store is gone (the process that served it ended) or hung
             verdict = f"the job's store did not answer ({str(e).splitlines()[0]})"
         if verdict is not None and objection is None:

@@ -23,11 +23,13 @@ started by ``exec`` (``subprocess``, the spawn and forkserver methods) inherits 
 A preemption or a teardown. torchrun also sends SIGTERM to a node's ranks when one of them
 failed, and every node's agent then stops its ranks to restart the job: memory still holds
 the newest version, and a flush would only delay the restart. A rank tells the two apart by
-whether *every* rank of the job got the signal: each counts itself on the job's store, and a
-rank that finds a rank of its host dead (the failure a teardown follows) decides it is none,
-which ends the wait for every rank: the first decision on the store holds for all. The rank
-whose process serves the store (rank 0 under the deepspeed launcher) waits for the others to
-read it, since the store ends with that process. Every rank counted within
+whether *every* rank of the job got the signal: each counts itself on the job's store, the
+last one counted decides that every rank was, and the others wait on that answer's key (the
+store answers the wait when the key is put: no rank polls it). A rank that finds a rank of its
+host dead (the failure a teardown follows) decides it is none, which ends the wait for every
+rank: the first decision on the store holds for all. The rank whose process serves the store
+(rank 0 under the deepspeed launcher) waits for the others to read it, since the store ends
+with that process. Every rank counted within
 :func:`arrival_s`: a preemption.
 Otherwise a teardown, or a part of the job stopping (its nodes' loss is what erasure coding is
 for): nothing is flushed, and the process ends once the wait ends.
@@ -46,8 +48,9 @@ import torch.distributed as dist
 
 from ftmem._common import threads
 from ftmem._common.agreement import READ_WAIT_S, Decision
+from ftmem._common.job_store import StandingConnection, own_connection
 from ftmem._common.identity import RankIdentity
-from ftmem._common.logs import flush_logs, job_info, rank_info, rank_warning
+from ftmem._common.logs import flush_logs, job_info, log, rank_info, rank_warning
 from ftmem.config import PreemptionConfig
 from ftmem._engine.commit import Committer
 from ftmem._engine.failure_detector import FailureDetector
@@ -68,9 +71,13 @@ class Preemption:
     def __init__(self, config: PreemptionConfig, identity: RankIdentity, job_store: Optional[dist.Store], run: str,
                  committer: Committer, detector: Optional[FailureDetector]):
         self.config, self.identity = config, identity
-        self._job_store, self._key = job_store, f"ftmem/preemption/{run}"
+        self._key = f"ftmem/preemption/{run}"
         self._committer, self._detector = committer, detector
         self._watch = PreemptionWatch.install(config, identity.rank, self._on_signal)
+        # The decision's connection, made now: at the signal every rank would make one at once.
+        self._connection = None
+        if self._watch is not None and job_store is not None and identity.world_size > 1:
+            self._connection = StandingConnection(job_store, arrival_s(config.grace_s))
 
     def uninstall(self) -> None:
         """The signal does what it did before the engine started."""
@@ -87,8 +94,10 @@ class Preemption:
                      "job's machines go", name, self._held())
             return
         try:
-            why_not = whole_job_told(rank, self.identity.world_size, self._dead_here, arrival_s(self.config.grace_s),
-                                     self._job_store, self._key)
+            wait_s = arrival_s(self.config.grace_s)
+            why_not = whole_job_told(rank, self.identity.world_size, self._dead_here, wait_s,
+                                     self._connection.take(wait_s) if self._connection is not None else None,
+                                     self._key)
         except Exception as e:  # the job's store went first (the rank that served it died)
             why_not = f"the job's store does not answer ({str(e).splitlines()[0]})"  # (not torch's C++ frames)
         if why_not is not None:  # training went on meanwhile: what memory holds now is what the restart finds
@@ -277,31 +286,39 @@ def end_process(signum: int) -> None:
 
 
 def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]], wait_s: float,
-                   job_store: Optional[dist.Store], key: str) -> Optional[str]:
+                   connection: Optional[dist.Store], key: str) -> Optional[str]:
     """None if every rank of the job was told to stop within ``wait_s`` (a preemption); else
     why this is none: ranks of this host dead (a teardown after a failure), or ranks that
-    were not told. Decided once, on ``job_store`` under ``key`` (the engine's run's: a store
-    that outlives an attempt holds no decision of an earlier one; :mod:`ftmem._common.agreement`):
-    every rank follows the first answer, so that no rank flushes while another has gone."""
+    were not told. Decided once, on ``connection`` (this rank's own to the job's store, each
+    call bounded by ``wait_s``; None with one rank) under ``key`` (the engine's run's: a store
+    that outlives an attempt holds no decision of an earlier one;
+    :mod:`ftmem._common.agreement`): every rank follows the first answer, so that no rank
+    flushes while another has gone.
+
+    The last rank told puts the answer; the others wait on its key, one request each, which
+    the store answers when it is put: no rank polls the store, whose load is then a few
+    requests per rank whatever the job's size and however far apart the signals come. A rank
+    of this host that dies meanwhile is watched for locally, and its watch puts the answer."""
     if world_size == 1:
         return None
-    decision = Decision.own(job_store, key, rank, world_size, wait_s)
+    decision = Decision(connection, key, rank, world_size)
     end = time.monotonic() + wait_s
-    count = decision.arrive()
-    while True:
-        dead = dead_here()
-        if dead:
-            why = f"rank(s) {dead} of this host had died first, as in a teardown after a failure"
-            break
-        if count >= world_size:
-            why = None
-            break
-        if decision.answered() or time.monotonic() > end:
-            why = f"only {count} of the job's {world_size} ranks were told to stop within {wait_s:.1f} s"
-            break
-        time.sleep(POLL_S)
-        count = decision.arrivals()
-    decided = decision.propose(_GO if why is None else why)
+    dead: list[int] = []
+    if decision.arrive() >= world_size:  # the last rank told: every rank was
+        decided = decision.propose(_GO)
+    elif dead := dead_here():
+        decided = decision.propose(_teardown(dead))
+    else:
+        # (The watch's answer goes over a connection of its own: this one waits.)
+        watch = _DeathWatch(dead_here, lambda why: Decision(own_connection(connection, wait_s), key, rank,
+                                                            world_size).propose(why))
+        try:
+            decided = decision.wait(max(0.0, end - time.monotonic()))
+        finally:
+            dead = watch.stop()
+        if decided is None:
+            decided = decision.propose(f"only {decision.arrivals()} of the job's {world_size} ranks were told to stop "
+                                       f"within {wait_s:.1f} s")
     live = world_size - len(dead)
     read = decision.read(live)
     if decision.serves_the_store and read < live:
@@ -309,3 +326,37 @@ def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]
                   "or dead on another host): the job's store, served by this process, ends with it all the "
                   "same", live - read, live, READ_WAIT_S)
     return None if decided == _GO else decided
+
+
+def _teardown(dead: list[int]) -> str:
+    return f"rank(s) {dead} of this host had died first, as in a teardown after a failure"
+
+
+class _DeathWatch:
+    """While a rank waits for the others to be told, a thread that looks every POLL_S for a
+    rank of this host that died (:class:`Preemption`'s ``dead_here``: shared memory, not the
+    store) and, finding one, puts the teardown's answer (``propose``), which ends every
+    rank's wait."""
+
+    def __init__(self, dead_here: Callable[[], list[int]], propose: Callable[[str], str]):
+        self._dead_here, self._propose = dead_here, propose
+        self._stopped = threading.Event()
+        self.dead: list[int] = []
+        self._thread = threads.start(self._watch, "ftmem-preemption-deaths")
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(POLL_S):
+            dead = self._dead_here()
+            if dead:
+                self.dead = dead
+                try:
+                    self._propose(_teardown(dead))
+                except Exception as e:  # the store is gone: the waits end on their own bound
+                    log.debug("could not put the teardown's answer (%s)", e)
+                return
+
+    def stop(self) -> list[int]:
+        """The ranks of this host found dead (none where the answer came first)."""
+        self._stopped.set()
+        self._thread.join()
+        return self.dead

@@ -10,7 +10,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from harness.ranks import free_port, script_outputs
-from ftmem._common.agreement import Decision, unanimous
+from benchmarks.bench_control_plane import CountedStore
+from ftmem._common.agreement import REQUESTS_PER_DECISION, Decision, unanimous
+from ftmem._engine.preemption import whole_job_told
 
 READERS = textwrap.dedent("""
     import os, sys, time
@@ -84,13 +86,13 @@ def test_a_wait_that_runs_out_names_the_ranks_that_did_not_come():
 def test_a_rank_with_an_objection_does_not_wait_and_every_rank_gets_the_first_objection():
     """The job's end: a rank that failed objects at once, without waiting for the others; the
     ranks that finished, arriving later, all get its objection; none waits the whole bound."""
-    server, _ = store_and_clients(0)
+    server, connections = store_and_clients(3)
     answers, took = {}, {}
 
     def rank_ends(rank: int, objection) -> None:
         time.sleep(0.2 * rank)
         started = time.monotonic()
-        answers[rank] = unanimous(server, "ftmem/end/run", rank, 3, objection, 30.0)
+        answers[rank] = unanimous(connections[rank], "ftmem/end/run", rank, 3, objection, 30.0)
         took[rank] = time.monotonic() - started
 
     threads = [threading.Thread(target=rank_ends, args=(rank, "it ended with sys.exit(3)" if rank == 0 else None))
@@ -102,3 +104,49 @@ def test_a_rank_with_an_objection_does_not_wait_and_every_rank_gets_the_first_ob
     assert answers == {r: "rank 0: it ended with sys.exit(3)" for r in range(3)}, answers
     assert max(took.values()) < 10, took  # the bound was 30 s
     assert unanimous(server, "ftmem/end/run-2", 0, 1, None, 30.0) is None  # one rank alone
+
+
+def _told_apart(arrive_after_s: dict, dead_here: dict, wait_s: float, world: int = 4) -> tuple:
+    """Ranks told to stop ``arrive_after_s[rank]`` seconds apart, each deciding with
+    ``whole_job_told`` on a connection of its own to one real store, counting its requests:
+    (each rank's answer, its requests, its seconds from its signal to its answer)."""
+    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    answers, requests, took = {}, {}, {}
+
+    def told(rank: int) -> None:
+        store = CountedStore("127.0.0.1", server.port, 30.0)
+        time.sleep(arrive_after_s[rank])
+        started = time.monotonic()
+        answers[rank] = whole_job_told(rank, world, dead_here.get(rank, lambda: []), wait_s, store,
+                                       "ftmem/preemption/run")
+        took[rank], requests[rank] = time.monotonic() - started, len(store.requests)
+
+    threads = [threading.Thread(target=told, args=(rank,)) for rank in arrive_after_s]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return answers, requests, took
+
+
+def test_ranks_told_to_stop_wait_for_the_last_one_told_on_the_store_without_polling_it():
+    """A scheduler's SIGTERMs reach a job's ranks over a second or two. The ranks told first
+    wait for the last one on the answer's key: a few requests each, however long they wait
+    (polling the store every 50 ms made 2 requests per poll per rank: ~160,000 a second at
+    8,000 ranks)."""
+    answers, requests, _ = _told_apart({0: 0.0, 1: 0.1, 2: 0.2, 3: 1.5}, {}, 10.0)
+    assert answers == {rank: None for rank in range(4)}, answers
+    assert max(requests.values()) <= REQUESTS_PER_DECISION, requests  # arrive (2), the wait, the answer, the read
+
+
+def test_a_rank_of_this_host_that_dies_while_the_others_wait_ends_every_rank_s_wait_as_a_teardown():
+    """Rank 3 is never told: it died, on rank 0's host, after rank 0 began to wait. Rank 0's
+    watch of its host finds it and puts the teardown's answer, which ends every rank's wait
+    at once rather than at the end of the 10 s bound."""
+    died = time.monotonic() + 0.5
+    answers, _, took = _told_apart({0: 0.0, 1: 0.0, 2: 0.0}, {0: lambda: [3] if time.monotonic() > died else []},
+                                   10.0)
+    why = "rank(s) [3] of this host had died first, as in a teardown after a failure"
+    assert answers == {rank: why for rank in range(3)}, answers
+    assert max(took.values()) < 10, took
