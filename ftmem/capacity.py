@@ -54,7 +54,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ftmem.config import DP_SHARD_CHOICES, SLOT_CHOICES, ECConfig
+from ftmem.config import DP_SHARD_CHOICES, FAILURE_TIMEOUT_S, SLOT_CHOICES, ECConfig
+from ftmem._common.agreement import REQUESTS_PER_DECISION
+from ftmem._common.job_store import PROBE_REQUESTS
+from ftmem._engine.failure_detector import REQUESTS_PER_BEAT, interval_s
 from ftmem.errors import ConfigError
 from ftmem._ec import survival
 from ftmem._ec.placement import ec_groups
@@ -163,6 +166,15 @@ class Protection:
 
 
 @dataclass(frozen=True)
+class ControlPlane:
+    """What ftmem asks of the job's store, the one TCP store every rank talks to."""
+
+    failure_timeout_s: float  # the failure detector's timeout ("ftmem.failure_detection")
+    beats_per_s: float  # the detector's requests per second, the whole job's, all along
+    decision_requests: int  # a preemption's decision, or the vote at the job's end: the whole job's, once
+
+
+@dataclass(frozen=True)
 class CapacityPlan:
     job: Job
     schedule: Schedule
@@ -173,6 +185,16 @@ class CapacityPlan:
     node_bytes: int  # a node's data per version: ranks_per_node x rank.kept_bytes
     ec: Protection
     replication: Protection
+    control_plane: ControlPlane
+
+
+def control_plane(job: Job, failure_timeout_s: float) -> ControlPlane:
+    """The job's store's load from ftmem (docs/design/control-plane.md): each rank beats every
+    :func:`~ftmem._engine.failure_detector.interval_s`, and makes a few requests in a decision
+    of the whole job, on a connection it made at the engine's start (checked as it is taken)."""
+    beats = job.world * REQUESTS_PER_BEAT / interval_s(failure_timeout_s)
+    return ControlPlane(failure_timeout_s=failure_timeout_s, beats_per_s=beats,
+                        decision_requests=job.world * (REQUESTS_PER_DECISION + PROBE_REQUESTS))
 
 
 def rank_bytes(job: Job) -> RankBytes:
@@ -235,9 +257,11 @@ def failures_shown(nodes: int, m: int) -> list[int]:
     return list(range(1, min(nodes, max(m, 1) + 2, survival.MAX_FAILURES) + 1))
 
 
-def plan(job: Job, schedule: Schedule, k: Optional[int] = None, m: Optional[int] = None) -> CapacityPlan:
+def plan(job: Job, schedule: Schedule, k: Optional[int] = None, m: Optional[int] = None,
+         failure_timeout_s: float = FAILURE_TIMEOUT_S) -> CapacityPlan:
     """The capacity plan of ``job`` saving on ``schedule``, erasure coded with ``k`` and
-    ``m`` (ftmem's defaults for its node count where both are None), beside 2x replication."""
+    ``m`` (ftmem's defaults for its node count where both are None), beside 2x replication,
+    and the load on the job's store with the failure detector's timeout ``failure_timeout_s``."""
     job.check()
     schedule.check()
     nodes = job.nodes
@@ -252,4 +276,5 @@ def plan(job: Job, schedule: Schedule, k: Optional[int] = None, m: Optional[int]
     replication = _protection(schedule, job.ranks_per_node, rank.kept_bytes, {(1, 1)},
                               {f: float(survival.replication_survival(nodes, 1, f)) for f in failures})
     return CapacityPlan(job=job, schedule=schedule, k=k, m=m, nodes=nodes, rank=rank,
-                        node_bytes=job.ranks_per_node * rank.kept_bytes, ec=ec, replication=replication)
+                        node_bytes=job.ranks_per_node * rank.kept_bytes, ec=ec, replication=replication,
+                        control_plane=control_plane(job, failure_timeout_s))

@@ -24,7 +24,8 @@ from typing import Optional
 from ftmem._shm import jobs
 from ftmem import capacity
 from ftmem._ec import survival
-from ftmem.config import DP_SHARD_CHOICES, MAX_COUNT, MAX_EC_NODES, SHM_DIR_ADVICE, shm_dir_problem
+from ftmem.config import (DP_SHARD_CHOICES, FAILURE_TIMEOUT_S, MAX_COUNT, MAX_EC_NODES, MAX_WAIT_S, SHM_DIR_ADVICE,
+                          shm_dir_problem)
 from ftmem.errors import ConfigError, FtmemError
 from ftmem._common import compat
 from ftmem._common.identity import check_job_id, job_root
@@ -289,7 +290,7 @@ def _cmd_plan(args) -> int:
                        distributed_optimizer=args.distributed_optimizer, dp_shard=args.dp_shard)
     schedule = capacity.Schedule(net_gbps=args.net_gbps, step_s=args.step_s, save_interval=args.save_interval,
                                  slots=args.slots)
-    plan = capacity.plan(job, schedule, args.k, args.m)
+    plan = capacity.plan(job, schedule, args.k, args.m, args.failure_timeout_s)
     if args.json:
         print(json.dumps(dataclasses.asdict(plan)))
         return 0
@@ -315,6 +316,10 @@ def _cmd_plan(args) -> int:
     print(f"{'':40}  {f'EC k={plan.k}, m={plan.m}':>16}  {'2x replication':>16}")
     for label, (ec, rep) in rows:
         print(f"{label:40}  {ec:>16}  {rep:>16}")
+    load = plan.control_plane
+    print(f"\nthe job's store: {load.beats_per_s:,.0f} requests a second from the failure detector's beats (a "
+          f"{load.failure_timeout_s:g} s timeout); {load.decision_requests:,} at a preemption and at the job's end, "
+          f"over a second or so")
     return 0
 
 
@@ -441,6 +446,9 @@ def _add_plan(sub) -> None:
                         "during a protection are skipped)")
     p.add_argument("--dp-shard", choices=DP_SHARD_CHOICES, default="auto",
                    help="as the \"dp_shard\" config key (default auto: on with more than one DP replica)")
+    p.add_argument("--failure-timeout-s", type=number_in(1, MAX_WAIT_S), default=FAILURE_TIMEOUT_S,
+                   help=f"the failure detector's timeout, as \"ftmem.failure_detection\" sets it (default "
+                        f"{FAILURE_TIMEOUT_S}): the load of its beats on the job's store")
     p.add_argument("--json", action="store_true", help="one JSON object (see docs/operations.md)")
     p.set_defaults(fn=_cmd_plan)
 

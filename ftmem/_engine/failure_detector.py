@@ -55,6 +55,7 @@ from ftmem._common.logs import flush_logs, log, rank_error
 # launcher restart the job; this one tells a failure ftmem detected from a crash).
 EXIT_CODE = 75
 _LEFT = 1 << 40  # added to a rank's counter when it leaves: a count past it is no beat
+REQUESTS_PER_BEAT = 3  # a beat's requests to the store: its own counter, the watched rank's, the verdict's key
 
 
 def interval_s(timeout_s: float) -> float:

@@ -8,6 +8,9 @@ ftmem's layout makes them."""
 import json
 
 from harness.common import result_figures, run_cli
+from ftmem._common.agreement import REQUESTS_PER_DECISION
+from ftmem._common.job_store import PROBE_REQUESTS
+from ftmem._engine.failure_detector import REQUESTS_PER_BEAT
 
 
 def assert_memory_freed(shm_dir):
@@ -71,14 +74,23 @@ def test_bench_protect_ends_with_its_result_line_draws_its_plot_and_frees_its_me
 
 
 def test_bench_control_plane_ends_with_its_result_line_and_runs_each_path_on_every_rank():
-    """Every simulated rank runs each path to its end: each of the others hears of the rank
-    that fell silent (else the bench fails), and not before the detector's timeout (2 s with
-    --tiny); each records its arrival at a group in exactly two requests."""
+    """Every simulated rank runs each path to its end with the answer it should get (no rank
+    missed): each of the others hears of the rank that fell silent, and not before the
+    detector's timeout (2 s with --tiny); each records its arrival at a group in exactly two
+    requests."""
     figures = result_figures(run_cli("bench", "control-plane", "--tiny", "--workers", "1"))
     paths, sizes = ("detector", "preemption", "end", "arrivals"), (16, 64)
     assert set(figures) == {f"{path}_{n}_{key}" for path in paths for n in sizes
-                            for key in ("time_s", "store_rps_n", "per_rank_n", "p50_s", "p99_s", "store_cpu_x")} | {
+                            for key in ("time_s", "first_to_last_s", "missed_n", "store_rps_n", "per_rank_n",
+                                        "p50_s", "p99_s", "store_cpu_x")} | {
                                f"{path}_growth_x" for path in paths}, figures
-    assert [k for k, v in figures.items() if v <= 0 and not k.endswith("store_cpu_x")] == [], figures
+    assert [k for k, v in figures.items() if k.endswith("missed_n") and v != 0] == [], figures
+    assert [k for k, v in figures.items() if v <= 0 and not k.endswith(("store_cpu_x", "missed_n"))] == [], figures
     assert all(figures[f"detector_{n}_time_s"] >= 2 for n in sizes), figures
     assert all(figures[f"arrivals_{n}_per_rank_n"] == 2 for n in sizes), figures
+    # What ftmem plan counts for the job's store is what the real code asks of it: 2 or 3 beats
+    # in the detector's steady window of 3 intervals; at most a decision's requests each.
+    assert all(2 * REQUESTS_PER_BEAT <= figures[f"detector_{n}_per_rank_n"] <= 3 * REQUESTS_PER_BEAT
+               for n in sizes), figures
+    assert all(figures[f"{path}_{n}_per_rank_n"] <= REQUESTS_PER_DECISION + PROBE_REQUESTS
+               for path in ("preemption", "end") for n in sizes), figures
