@@ -91,6 +91,8 @@ NAMES = (
                 "weights_only=True) admits, which ftmem admits too"),
     ForeignName("torch", "torch._weights_only_unpickler", "_get_user_allowed_globals", "the types a user admitted "
                 "with torch.serialization.add_safe_globals"),
+    ForeignName("torch", "torch._C", "DisableTorchFunction", "the save call's look at its tensors, untouched by a "
+                "torch-function mode the training has on"),
     ForeignName("torch", "torch", "_foreach_copy_", "the snapshot's copy, many tensors per call"),
     ForeignName("torch", "torch", "_import_device_backends", "calling the torch.backends entry points at `import "
                 "torch`, through which the DeepSpeed JSON alone switches ftmem on (torch >= 2.5)", JSON_ALONE,

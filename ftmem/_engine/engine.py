@@ -52,6 +52,7 @@ from ftmem._state.plan import Planner
 from ftmem._ec.protect import ColumnCoder, Topology, make_column_groups, piece_size
 from ftmem._engine.restore import Chosen, DataParallelPeers, Restored, Restorer, off_timeline
 from ftmem._state.serialize import split_state
+from ftmem._state.torch_function import modes_off
 from ftmem._shm.slot_memory import SlotMemory
 from ftmem._shm.slots import CommitRecord, RankStore, VersionRef
 from ftmem._shm.smp_client import SmpClient
@@ -242,6 +243,11 @@ class SnapshotEngine:
             raise FtmemError("save(persist=True) needs a persistent tier: call persist_with first.")
         self._committer.raise_failure()
         exit_status.carried_on()
+        with modes_off():  # a mode the training has on would make each look at each tensor a Python call
+            return self._save(state, version, replicated, persist, written_in_forward, files)
+
+    def _save(self, state: Any, version: int, replicated: Optional[Callable[[torch.Tensor], bool]], persist: bool,
+              written_in_forward: Optional[Callable[[torch.Tensor], bool]], files: Optional[Written]) -> SaveHandle:
         split = split_state(state)
         tensors = split.tensors
         flags = [bool(replicated(t)) for t in tensors] if (self._dp_shard and replicated) else None
@@ -384,7 +390,8 @@ class SnapshotEngine:
         """The restore's second phase (collective): ``chosen`` copied out into the tensors
         ``into`` names for :attr:`Chosen.saved`, else fresh memory. Every rank holds the
         version now: it stays until the job protects a newer one."""
-        restored = self._restorer.read(chosen, torch.device(device), into, drop_newer)
+        with modes_off():  # as the save's: each look at each tensor would be a Python call under a mode
+            restored = self._restorer.read(chosen, torch.device(device), into, drop_newer)
         self._committer.keep(restored.version)
         return restored
 

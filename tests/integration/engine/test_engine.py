@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from harness.common import flip_byte, job_id, make_engine, run_cli
 from ftmem import (ConfigError, CorruptShard, LayoutMismatch, NoRecoverableVersion, ParallelLayout, ShmBudgetError,
@@ -180,6 +181,42 @@ def test_a_plan_is_reused_only_while_every_tensor_keeps_its_dtype_shape_and_kind
         engine.save(state, version).wait_protected()
         assert_same_state(engine.restore(drop_newer=False).state, state)
     assert planned == [1, 3, 4, 5, 6, 7, 8]  # not for 2 and 9, where nothing changed
+    engine.close(job_finished=True)
+
+
+class _CountingMode(TorchFunctionMode):
+    """A torch-function mode as a training may have on (a device context, a shim), counting
+    the calls that pass through it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_torch_function_mode_the_training_has_on_sees_none_of_the_save_s_or_the_restore_s_tensor_work(shm_dir):
+    """Under a mode, every tensor attribute a save call reads would be a Python call through
+    it (five times the call at thousands of tensors), and a mode that places new tensors (a
+    device context) would place the restore's: the save call and the restore's copy run with
+    the handling off. The mode stays on for the training, and what was saved restores bitwise."""
+    engine = make_engine(shm_dir)
+    state = rich_state(3)
+    forward_wrote = {id(state["int64"])}
+    mode = _CountingMode()
+    with mode:
+        handle = engine.save(state, 1, written_in_forward=lambda t: id(t) in forward_wrote)
+        assert mode.calls == 0
+        torch.ones(2).add_(1)  # the training's own calls still go through its mode
+        assert mode.calls == 2
+        handle.wait_protected()
+        chosen, into = engine.choose(), {"fp32": torch.zeros(64, 32)}
+        before = mode.calls
+        restored = engine.read(chosen, into=into)
+        assert mode.calls == before
+    assert_same_state(restored.state, state)
     engine.close(job_finished=True)
 
 
