@@ -31,12 +31,11 @@ from megatron.core import parallel_state
 from ftmem import ConfigError, LayoutMismatch, ParallelLayout, Restored, RestoreTimes, SaveHandle
 from ftmem.adapter import (DISK, MEMORY, SCRATCH, Adopted, AdapterRuntime, DiskCheckpoint, OtherWorlds, Resumption,
                            DISTRIBUTED_OPTIMIZER, check_versions, collection_deferred, gather_dp_groups, rank_info,
-                           require_for)
+                           require_for, tensors)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
-from .sharded_state import (ReplicatedPaths, from_snapshot, local_tensors, pieces_by_key, tensors_at,
-                            to_snapshot)
+from .sharded_state import ReplicatedPaths, from_snapshot, local_tensors, pieces_by_key, to_snapshot
 from .torch_checkpoint import RELEASE, read_tracker
 
 try:
@@ -231,9 +230,9 @@ class MegatronCheckpointer:
         self.runtime.make_step_wait(optimizer)
         model = model if isinstance(model, list) else [model]
         with collection_deferred():  # megatron-core's sharded state dicts are tens of thousands of objects
-            data, places = to_snapshot(_sharded_state(model, optimizer))
+            data, places, placed = to_snapshot(_sharded_state(model, optimizer))
             dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            shared = tensors_at(data, self._replicated_paths.of(places, dp_group))
+            shared = [placed[path] for path in self._replicated_paths.of(places, dp_group)]
             replicated = {id(t) for t in shared}
             if not self._described:
                 self._described = True
@@ -265,7 +264,7 @@ class MegatronCheckpointer:
             return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
         rank_info(self.runtime.rank, "snapshots %.2f MiB of tensors per version, %.2f MiB of them identical on its "
-                  "%d DP replica(s)", mib(tensors_at(data, None)), mib(shared), replicas)
+                  "%d DP replica(s)", mib(tensors(data)), mib(shared), replicas)
 
     def load(self, model, optimizer, opt_param_scheduler, args) -> Optional[tuple[int, Any]]:
         """See :func:`load_checkpoint`. The restore runs in the runtime's phases; Megatron's

@@ -24,7 +24,7 @@ then joined from the pieces of its key that overlap it, as a load planner reads 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,19 +57,28 @@ class Place:
 
 
 def _path(path: tuple) -> str:
-    return "/".join(str(p) for p in path)
+    return "/".join(map(str, path))
 
 
-def to_snapshot(sharded_state: Any) -> tuple[Any, dict[str, Place]]:
-    """The local data of ``sharded_state`` (same structure, live tensors, no copies) and
-    the place of each ShardedTensor by path. Factories are applied in place, as
+class Snapshot(NamedTuple):
+    """A rank's sharded state as ftmem snapshots it (:func:`to_snapshot`)."""
+
+    data: Any  # the same structure, the local tensors live (no copies)
+    places: dict[str, Place]  # the place of each ShardedTensor, by path
+    placed: dict[str, torch.Tensor]  # the local tensor at each of those paths
+
+
+def to_snapshot(sharded_state: Any) -> Snapshot:
+    """``sharded_state``'s local data and places. Factories are applied in place, as
     megatron-core does before saving; non-persistent objects are left out."""
     apply_factories(sharded_state)
     places: dict[str, Place] = {}
+    placed: dict[str, torch.Tensor] = {}
 
     def local(node, path):
         if isinstance(node, ShardedTensor):
-            places[_path(path)] = Place.of(node)
+            at = _path(path)
+            places[at], placed[at] = Place.of(node), node.data
             return node.data
         if isinstance(node, ShardedObject):
             return node.data
@@ -77,7 +86,7 @@ def to_snapshot(sharded_state: Any) -> tuple[Any, dict[str, Place]]:
             return None  # restored from the job's own template
         return node
 
-    return map_tree(sharded_state, local), places
+    return Snapshot(map_tree(sharded_state, local), places, placed)
 
 
 # A global tensor's pieces, as several ranks saved them: {key: {(offset, shape): (place, data)}}.
@@ -233,10 +242,3 @@ class ReplicatedPaths:
 def _tensors_by_path(data: Any) -> dict[str, torch.Tensor]:
     """The tensors of a snapshot tree (from :func:`to_snapshot`) by path."""
     return {_path(path): value for path, value in leaves(data) if isinstance(value, torch.Tensor)}
-
-
-def tensors_at(data: Any, paths: Optional[set[str]]) -> list[torch.Tensor]:
-    """The tensors of a snapshot tree (from :func:`to_snapshot`) at ``paths`` (all if None)."""
-    if paths is not None and not paths:
-        return []  # at every save of a job without DP replicas: no walk
-    return [t for path, t in _tensors_by_path(data).items() if paths is None or path in paths]

@@ -27,7 +27,7 @@ def rank_state(ranges, empty=False) -> dict:
 
 
 def snapshots(*old_ranks) -> list:
-    return [to_snapshot(rank_state(ranges)) for ranges in old_ranks]
+    return [to_snapshot(rank_state(ranges))[:2] for ranges in old_ranks]
 
 
 def joined(template_ranges, old) -> list[torch.Tensor]:
@@ -60,7 +60,7 @@ def test_old_pieces_that_overlap_are_refused_not_counted_twice():
 
 
 def test_without_the_old_pieces_another_place_is_refused():
-    data, places = to_snapshot(rank_state([(0, 5)]))
+    data, places, _ = to_snapshot(rank_state([(0, 5)]))
     with pytest.raises(LayoutMismatch, match="does not fit this job"):
         from_snapshot(rank_state([(0, 4)], empty=True), data, places)
 
