@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ftmem._common import compat, open_files, testhooks
 from ftmem._common.agreement import Decision
-from ftmem._common.job_store import own_connection
+from ftmem._common.job_store import StandingConnection
 from ftmem.config import INTERFACE_ENV, seconds_from_env
 from ftmem.errors import CollectiveNotJoined, ConfigError, OpenFileLimit
 
@@ -87,14 +87,18 @@ class Arrivals:
     """The bounded wait of collectives that ranks reach on threads of their own (the
     protection's rounds; a column's exchanges), which names the ranks that did not come: a rank
     that has waited NOTE_AFTER_S for its n-th collective of the kind says so in a
-    :class:`~ftmem._common.agreement.Decision` of that collective on the job's store (a connection
-    of its own, made then), and one whose wait runs out names the ranks of ``ranks`` that had
-    not. Every rank of ``ranks`` must make the same collectives of the kind, in one order."""
+    :class:`~ftmem._common.agreement.Decision` of that collective on the job's store, and one whose
+    wait runs out names the ranks of ``ranks`` that had not. Every rank of ``ranks`` must make the
+    same collectives of the kind, in one order.
 
-    def __init__(self, job_store: Optional[dist.Store], key: str, rank: int, ranks: Sequence[int]):
+    It says so over ``connection``, made at the engine's start: when one rank is late, every
+    other rank notes it within the same second, and connections made then would all reach the
+    store at once (see :class:`~ftmem._common.job_store.StandingConnection`)."""
+
+    def __init__(self, connection: StandingConnection, key: str, rank: int, ranks: Sequence[int]):
         """``key`` names the run and the kind (the decisions' prefix)."""
         self.rank, self.ranks, self._key = rank, list(ranks), key.rstrip("/")
-        self._job_store, self._store = job_store, None
+        self._connection = connection
         self._made = 0
 
     def wait(self, works: Sequence[dist.Work], what: str, bound_s: float, posted: float) -> None:
@@ -122,9 +126,8 @@ class Arrivals:
 
     def _arrivals(self) -> Decision:
         """The decision of this rank's current collective of the kind."""
-        if self._store is None:
-            self._store = own_connection(self._job_store, NOTE_AFTER_S)
-        return Decision(self._store, f"{self._key}/{self._made}", self.rank, len(self.ranks), self.ranks)
+        return Decision(self._connection.take(NOTE_AFTER_S), f"{self._key}/{self._made}", self.rank, len(self.ranks),
+                        self.ranks)
 
     def _note(self) -> bool:
         try:

@@ -37,7 +37,7 @@ from ftmem._common.identity import RankIdentity
 from ftmem._common import compat, exit_status, open_files
 from ftmem._common.deprecation import Renamed
 from ftmem._common.agreement import unanimous
-from ftmem._common.collective import Arrivals, collective_timeout_s, gather, new_group
+from ftmem._common.collective import NOTE_AFTER_S, Arrivals, collective_timeout_s, gather, new_group
 from ftmem._common.job_store import StandingConnection
 from ftmem._common.logs import job_info, rank_warning
 from ftmem._engine.failure_detector import FailureDetector
@@ -187,9 +187,10 @@ class SnapshotEngine:
         self._restorer = Restorer(self.store, self.memory, self.topology, column, gloo, self.dp_peers, self.layout)
         arrivals = None
         if gloo is not None:
-            arrivals = Arrivals(self._job_store, f"ftmem/arrivals/{self._run}/rounds", self.rank, range(world_size))
+            notes = StandingConnection(self._job_store, NOTE_AFTER_S)  # both kinds note on the protection's thread
+            arrivals = Arrivals(notes, f"ftmem/arrivals/{self._run}/rounds", self.rank, range(world_size))
             if column is not None:
-                column.arrivals = Arrivals(self._job_store, f"ftmem/arrivals/{self._run}/column", self.rank,
+                column.arrivals = Arrivals(notes, f"ftmem/arrivals/{self._run}/column", self.rank,
                                            [dist.get_global_rank(column.pg, i) for i in range(column.group.n)])
         self._committer = Committer(self.store, self.memory, column, gloo, arrivals)
         self._planner = Planner()

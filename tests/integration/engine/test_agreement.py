@@ -7,12 +7,17 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
+import torch
 import torch.distributed as dist
 
 from harness.ranks import free_port, script_outputs
 from benchmarks.bench_control_plane import CountedStore
 from ftmem._common.agreement import REQUESTS_PER_DECISION, Decision, unanimous
+from ftmem._common.collective import NOTE_AFTER_S, Arrivals
+from ftmem._common.job_store import StandingConnection
 from ftmem._engine.preemption import whole_job_told
+from ftmem.errors import CollectiveNotJoined
 
 READERS = textwrap.dedent("""
     import os, sys, time
@@ -150,3 +155,41 @@ def test_a_rank_of_this_host_that_dies_while_the_others_wait_ends_every_rank_s_w
     why = "rank(s) [3] of this host had died first, as in a teardown after a failure"
     assert answers == {rank: why for rank in range(3)}, answers
     assert max(took.values()) < 10, took
+
+
+def _connections_to(port: int) -> int:
+    """TCP connections to ``port`` that this machine holds or closed within the last minute:
+    their client ends, open, or in TIME_WAIT (the end that closes first keeps that state for a
+    minute), so that a connection made and dropped within a call is counted too."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # torch's store connects over either
+        with open(table) as f:
+            rows += [line.split() for line in f.readlines()[1:]]
+    return sum(1 for row in rows if int(row[2].rsplit(":", 1)[1], 16) == port)
+
+
+def test_a_late_collective_is_noted_and_its_latecomers_named_over_the_connection_made_at_the_start():
+    """When a rank is late to a protection's collective, every other rank notes it on the store
+    within the same second: over a connection made at the engine's start, not one made then (a
+    new connection at every rank at once, each looked up by name on the store's one serving
+    thread). A real gloo group of two, its operations timing out at the bound as the
+    protection's do; rank 1 never comes."""
+    server, clients = store_and_clients(2)
+    bound_s, groups = NOTE_AFTER_S + 1, {}
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("gloo", clients[rank]), rank, 2,
+                                             timedelta(seconds=bound_s))
+
+    joining = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in joining:
+        thread.start()
+    for thread in joining:
+        thread.join(60)
+    arrivals = Arrivals(StandingConnection(server, NOTE_AFTER_S), "ftmem/arrivals/run/rounds", 0, [0, 1])
+    before = _connections_to(server.port)
+    posted = time.monotonic()
+    work = groups[0].allreduce([torch.ones(1)])
+    with pytest.raises(CollectiveNotJoined, match=r"the test's collective: ranks \[1\] did not come within 3 s"):
+        arrivals.wait([work], "the test's collective", bound_s, posted)
+    assert _connections_to(server.port) == before
