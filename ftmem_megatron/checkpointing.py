@@ -260,8 +260,8 @@ class MegatronCheckpointer:
     def _describe(self, data, shared: list, replicas: int) -> None:
         """One line at the first save: what this rank snapshots and how much of it is
         identical on its DP replicas (kept once across them with DP sharding)."""
-        def mib(tensors) -> float:
-            return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+        def mib(held) -> float:
+            return sum(t.numel() * t.element_size() for t in held) / 2**20
 
         rank_info(self.runtime.rank, "snapshots %.2f MiB of tensors per version, %.2f MiB of them identical on its "
                   "%d DP replica(s)", mib(tensors(data)), mib(shared), replicas)
