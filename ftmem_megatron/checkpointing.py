@@ -231,12 +231,11 @@ class MegatronCheckpointer:
         model = model if isinstance(model, list) else [model]
         with collection_deferred():  # megatron-core's sharded state dicts are tens of thousands of objects
             data, places, placed = to_snapshot(_sharded_state(model, optimizer))
-            dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            shared = [placed[path] for path in self._replicated_paths.of(places, dp_group)]
+            shared = [placed[path] for path in self._replicated_paths.of(places, self.runtime.dp_group)]
             replicated = {id(t) for t in shared}
             if not self._described:
                 self._described = True
-                self._describe(data, shared, dist.get_world_size(dp_group))
+                self._describe(data, shared, len(self.runtime.dp_ranks))
             state = {
                 "sharded": data,
                 "places": places,

@@ -51,9 +51,20 @@ class Place:
 
     @classmethod
     def of(cls, sharded: ShardedTensor) -> "Place":
-        flat = sharded.flattened_range
-        return cls(sharded.key, tuple(sharded.global_shape), tuple(sharded.global_offset),
-                   None if flat is None else (flat.start, flat.stop), str(sharded.dtype), tuple(sharded.local_shape))
+        return cls(*place_fields(sharded))
+
+    @classmethod
+    def recorded(cls, fields) -> Optional["Place"]:
+        """The place a snapshot records (:func:`place_fields`; a Place where an older ftmem pickled one), or None."""
+        return fields if fields is None or isinstance(fields, Place) else cls(*fields)
+
+
+def place_fields(sharded: ShardedTensor) -> tuple:
+    """:meth:`Place.of`'s fields in a plain tuple, which a snapshot records: a save handles
+    thousands, and a tuple is built, compared and pickled in C (a dataclass in Python)."""
+    flat = sharded.flattened_range
+    return (sharded.key, tuple(sharded.global_shape), tuple(sharded.global_offset),
+            None if flat is None else (flat.start, flat.stop), str(sharded.dtype), tuple(sharded.local_shape))
 
 
 def _path(path: tuple) -> str:
@@ -64,7 +75,7 @@ class Snapshot(NamedTuple):
     """A rank's sharded state as ftmem snapshots it (:func:`to_snapshot`)."""
 
     data: Any  # the same structure, the local tensors live (no copies)
-    places: dict[str, Place]  # the place of each ShardedTensor, by path
+    places: dict[str, tuple]  # the place of each ShardedTensor (:func:`place_fields`), by path
     placed: dict[str, torch.Tensor]  # the local tensor at each of those paths
 
 
@@ -72,13 +83,13 @@ def to_snapshot(sharded_state: Any) -> Snapshot:
     """``sharded_state``'s local data and places. Factories are applied in place, as
     megatron-core does before saving; non-persistent objects are left out."""
     apply_factories(sharded_state)
-    places: dict[str, Place] = {}
+    places: dict[str, tuple] = {}
     placed: dict[str, torch.Tensor] = {}
 
     def local(node, path):
         if isinstance(node, ShardedTensor):
             at = _path(path)
-            places[at], placed[at] = Place.of(node), node.data
+            places[at], placed[at] = place_fields(node), node.data
             return node.data
         if isinstance(node, ShardedObject):
             return node.data
@@ -95,14 +106,14 @@ Pieces = dict[str, dict[tuple, tuple[Place, torch.Tensor]]]
 _ABSENT = object()
 
 
-def pieces_by_key(snapshots: list[tuple[Any, dict[str, Place]]]) -> Pieces:
+def pieces_by_key(snapshots: list[tuple[Any, dict[str, tuple]]]) -> Pieces:
     """The tensors of several ranks' snapshots (each its data and places, from
     :func:`to_snapshot`) by key and global offset; a place held by several (DP replicas)
     once."""
     found: Pieces = {}
     for data, places in snapshots:
         for path, tensor in _tensors_by_path(data).items():
-            place = places.get(path)
+            place = Place.recorded(places.get(path))
             if place is not None and place.flattened_range is None:
                 found.setdefault(place.key, {}).setdefault((place.global_offset, place.local_shape), (place, tensor))
     return found
@@ -135,7 +146,7 @@ def _joined(wanted: Place, like: torch.Tensor, pieces: Pieces, where: str) -> to
     return joined
 
 
-def from_snapshot(template: Any, data: Any, places: dict[str, Place], pieces: Optional[Pieces] = None) -> Any:
+def from_snapshot(template: Any, data: Any, places: dict[str, tuple], pieces: Optional[Pieces] = None) -> Any:
     """Fill ``template`` (sharded state dicts built for loading) with a snapshot's data;
     a tensor saved at another place is joined from ``pieces`` (:func:`pieces_by_key`),
     where given.
@@ -149,7 +160,7 @@ def from_snapshot(template: Any, data: Any, places: dict[str, Place], pieces: Op
     def walk(expected, held, path):
         where = _path(path)
         if isinstance(expected, ShardedTensor):
-            wanted, saved = Place.of(expected), places.get(where)
+            wanted, saved = Place.of(expected), Place.recorded(places.get(where))
             if saved == wanted:
                 return held
             if pieces is not None:
@@ -199,7 +210,7 @@ def local_tensors(template: Any, places: dict[str, Any]) -> Any:
     are (not applied), and what they would build is not named."""
     def local(node, path):
         if isinstance(node, ShardedTensor):
-            return node.data if places.get(_path(path)) == Place.of(node) else None
+            return node.data if Place.recorded(places.get(_path(path))) == Place.of(node) else None
         return None
 
     return map_tree(template, local)
@@ -209,10 +220,10 @@ def _holds_sharded(node) -> bool:
     return any(isinstance(value, (ShardedTensor, ShardedObject)) for _, value in leaves(node))
 
 
-def replicated_paths(places: dict[str, Place], dp_group) -> set[str]:
+def replicated_paths(places: dict[str, tuple], dp_group) -> set[str]:
     """Paths whose tensors every member of ``dp_group`` holds at the same place: the
-    same bytes on every replica (collective over the group)."""
-    if dist.get_world_size(dp_group) == 1:
+    same bytes on every replica (collective over the group; none without one)."""
+    if dp_group is None:
         return set()
     everyone: list = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(everyone, places, group=dp_group)
@@ -221,20 +232,25 @@ def replicated_paths(places: dict[str, Place], dp_group) -> set[str]:
 
 class ReplicatedPaths:
     """:func:`replicated_paths`, asked at every save: gathered again only where some replica's
-    places changed since the last save (each replica compares its own, and they share one
-    flag), as from one save of a training loop to the next they do not. Gathering thousands
-    of places from every replica cost each save call tens of milliseconds."""
+    places changed since the last save, as from one save of a training loop to the next they
+    do not. Each replica compares its own places, and one all-reduce of a flag tells every
+    replica whether any changed: gathering thousands of places from every replica cost each
+    save call tens of milliseconds.
+
+    ``dp_group`` is ftmem's gloo group of the replicas (``AdapterRuntime.dp_group``), whose
+    collectives stay on the CPU: on Megatron's own group (NCCL on GPUs) the flag's way back
+    to the host would wait for the work queued on the device, the step's included."""
 
     def __init__(self) -> None:
-        self._last: Optional[tuple[dict[str, Place], set[str]]] = None  # the places, and the paths found
+        self._last: Optional[tuple[dict[str, tuple], set[str]]] = None  # the places, and the paths found
 
-    def of(self, places: dict[str, Place], dp_group) -> set[str]:
+    def of(self, places: dict[str, tuple], dp_group) -> set[str]:
         """:func:`replicated_paths` (collective over ``dp_group``)."""
-        if dist.get_world_size(dp_group) == 1:
+        if dp_group is None:
             return set()
-        changed = [None] * dist.get_world_size(dp_group)
-        dist.all_gather_object(changed, self._last is None or self._last[0] != places, group=dp_group)
-        if any(changed):
+        changed = torch.tensor([self._last is None or self._last[0] != places], dtype=torch.int32)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=dp_group)
+        if changed.item():
             self._last = (places, replicated_paths(places, dp_group))
         return self._last[1]
 

@@ -65,6 +65,23 @@ def test_without_the_old_pieces_another_place_is_refused():
         from_snapshot(rank_state([(0, 4)], empty=True), data, places)
 
 
+def test_a_snapshot_records_its_places_as_plain_tuples_and_one_an_older_ftmem_pickled_as_places_still_fits():
+    """A save records thousands of places, which a tuple pickles and compares in C; a
+    snapshot taken before holds Place objects, and restores as it did."""
+    from ftmem_megatron.sharded_state import Place, local_tensors
+
+    data, places, _ = to_snapshot(rank_state([(0, 5), (5, 10)]))
+    assert all(type(place) is tuple for place in places.values())
+    older = {path: Place(*place) for path, place in places.items()}
+    for recorded in (places, older):
+        template = rank_state([(0, 5), (5, 10)], empty=True)
+        assert [t is not None for t in local_tensors(template, recorded)["param_state"][0].values()] == [True]
+        filled = from_snapshot(template, data, recorded)
+        assert all(torch.equal(e["exp_avg"], BUCKET[a:b]) for e, (a, b) in zip(filled["param_state"], [(0, 5), (5, 10)]))
+        with pytest.raises(LayoutMismatch, match=r"saved as Place\(key="):
+            from_snapshot(rank_state([(0, 4), (4, 10)], empty=True), data, recorded)
+
+
 def test_a_list_of_plain_values_of_another_length_is_refused_even_when_joining():
     old = snapshots([(0, 5)], [(5, 10)])
     data, places = old[0]
@@ -97,10 +114,8 @@ def test_the_replicated_paths_are_gathered_again_when_any_replica_s_places_chang
     import multiprocessing
     import tempfile
 
-    from ftmem_megatron.sharded_state import Place
-
-    def place(offset: int) -> Place:
-        return Place("w", (8,), (offset,), None, "torch.float32", (4,))
+    def place(offset: int) -> tuple:  # as to_snapshot records it
+        return ("w", (8,), (offset,), None, "torch.float32", (4,))
 
     same = {"a": place(0), "b": place(4)}
     moved = {"a": place(0), "b": place(0)}
