@@ -30,8 +30,8 @@ from megatron.core import parallel_state
 
 from ftmem import ConfigError, LayoutMismatch, ParallelLayout, Restored, RestoreTimes, SaveHandle
 from ftmem.adapter import (DISK, MEMORY, SCRATCH, Adopted, AdapterRuntime, DiskCheckpoint, OtherWorlds, Resumption,
-                           DISTRIBUTED_OPTIMIZER, check_versions, collection_deferred, gather_dp_groups, rank_info,
-                           require_for, tensors)
+                           DISTRIBUTED_OPTIMIZER, check_versions, gather_dp_groups, rank_info,
+                           require_for, tensors, with_collection_deferred)
 
 from .arguments import validate_ftmem_args
 from .format import MegatronFormat, flushes_from_memory, torch_format
@@ -229,32 +229,37 @@ class MegatronCheckpointer:
                                  "the distributed optimizer; Megatron's own save_checkpoint writes the others.")
         self.runtime.make_step_wait(optimizer)
         model = model if isinstance(model, list) else [model]
-        with collection_deferred():  # megatron-core's sharded state dicts are tens of thousands of objects
-            data, places, placed = to_snapshot(_sharded_state(model, optimizer))
-            shared = [placed[path] for path in self._replicated_paths.of(places, self.runtime.dp_group)]
-            replicated = {id(t) for t in shared}
-            if not self._described:
-                self._described = True
-                self._describe(data, shared, len(self.runtime.dp_ranks))
-            state = {
-                "sharded": data,
-                "places": places,
-                "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
-                "iteration": iteration,
-                "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
-                "args": {name: getattr(args, name, None) for name in COMPATIBILITY_ARGS},
-                "progress": {name: getattr(args, name) for name in PROGRESS_ARGS if hasattr(args, name)},
-                # After "sharded": its tensors are the same ones, stored once, with the flags above.
-                "torch_format": torch_format(unwrap_model(model), optimizer, args, persistent),
-            }
-            # The next forward may write the modules' buffers in place before the step (the
-            # router's token counts, normalization statistics): copied during this call.
-            buffers = {b.untyped_storage().data_ptr() for chunk in unwrap_model(model) for b in chunk.buffers()}
-            handle = self.runtime.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent,
-                                       written_in_forward=lambda t: t.untyped_storage().data_ptr() in buffers)
+        # megatron-core's sharded state dicts are tens of thousands of objects
+        handle = with_collection_deferred(self._snapshot, iteration, model, optimizer, opt_param_scheduler,
+                                          num_floating_point_operations_so_far, args, persistent)
         if any(getattr(args, name, False) for name in WRITES_BEFORE_STEP):
             self.runtime.wait_reusable()
         return handle
+
+    def _snapshot(self, iteration: int, model: list, optimizer, opt_param_scheduler,
+                  num_floating_point_operations_so_far, args, persistent: bool) -> SaveHandle:
+        data, places, placed = to_snapshot(_sharded_state(model, optimizer))
+        shared = [placed[path] for path in self._replicated_paths.of(places, self.runtime.dp_group)]
+        replicated = {id(t) for t in shared}
+        if not self._described:
+            self._described = True
+            self._describe(data, shared, len(self.runtime.dp_ranks))
+        state = {
+            "sharded": data,
+            "places": places,
+            "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+            "iteration": iteration,
+            "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
+            "args": {name: getattr(args, name, None) for name in COMPATIBILITY_ARGS},
+            "progress": {name: getattr(args, name) for name in PROGRESS_ARGS if hasattr(args, name)},
+            # After "sharded": its tensors are the same ones, stored once, with the flags above.
+            "torch_format": torch_format(unwrap_model(model), optimizer, args, persistent),
+        }
+        # The next forward may write the modules' buffers in place before the step (the
+        # router's token counts, normalization statistics): copied during this call.
+        buffers = {b.untyped_storage().data_ptr() for chunk in unwrap_model(model) for b in chunk.buffers()}
+        return self.runtime.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent,
+                                 written_in_forward=lambda t: t.untyped_storage().data_ptr() in buffers)
 
     def _describe(self, data, shared: list, replicas: int) -> None:
         """One line at the first save: what this rank snapshots and how much of it is

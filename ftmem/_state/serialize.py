@@ -33,7 +33,7 @@ import torch
 import torch._weights_only_unpickler as weights_only
 
 from ftmem.errors import UnadmittedType, UnsupportedTensor
-from ftmem._state.gc_deferral import collection_deferred
+from ftmem._state.gc_deferral import with_collection_deferred
 
 # Plain types a state holds beyond what torch's weights_only list has: containers and
 # scalars, argparse.Namespace (Megatron's args), numpy arrays (numpy's RNG state) under
@@ -232,30 +232,33 @@ def split_state(state: Any) -> SplitState:
 
     The skeleton is two pickles: where each of the state's references goes among the
     tensors (None: each to the next, no two views of the same elements), then the state."""
+    return with_collection_deferred(_split, state)  # a save's pickling makes tens of thousands of short-lived objects
+
+
+def _split(state: Any) -> SplitState:
     buf = io.BytesIO()
     pickler = _SkeletonPickler(buf)
-    with collection_deferred():  # a save's pickling makes tens of thousands of short-lived objects
-        pickler.dump(state)
-        found = pickler.found
-        keys = _elements(found)
-        # Each key's first reference (a dict keeps the last value given for a key).
-        first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
-        if len(first) == len(keys):
-            tensors, aliases = found, None
-        else:
-            kept = sorted(first.values())
-            number = {reference: i for i, reference in enumerate(kept)}
-            aliases = [number[first[key]] for key in keys]
-            tensors, keys = [found[i] for i in kept], [keys[i] for i in kept]
-        skeleton = pickle.dumps(aliases, protocol=pickle.HIGHEST_PROTOCOL) + buf.getvalue()
-        # Loaded as a restore will load it (with no tensors behind the references): the same
-        # check, so that what a save accepts a restore accepts. Once for each set of globals
-        # the skeletons name and admitted set: loading builds every object of the state anew,
-        # which costs a save call of thousands of them a millisecond or more.
-        checked = (frozenset(pickler.naming), frozenset(admitted_globals()))
-        if checked != _checked_last[0]:
-            join_state(skeleton, [None] * len(tensors), "the state to save")
-            _checked_last[0] = checked
+    pickler.dump(state)
+    found = pickler.found
+    keys = _elements(found)
+    # Each key's first reference (a dict keeps the last value given for a key).
+    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
+    if len(first) == len(keys):
+        tensors, aliases = found, None
+    else:
+        kept = sorted(first.values())
+        number = {reference: i for i, reference in enumerate(kept)}
+        aliases = [number[first[key]] for key in keys]
+        tensors, keys = [found[i] for i in kept], [keys[i] for i in kept]
+    skeleton = pickle.dumps(aliases, protocol=pickle.HIGHEST_PROTOCOL) + buf.getvalue()
+    # Loaded as a restore will load it (with no tensors behind the references): the same
+    # check, so that what a save accepts a restore accepts. Once for each set of globals
+    # the skeletons name and admitted set: loading builds every object of the state anew,
+    # which costs a save call of thousands of them a millisecond or more.
+    checked = (frozenset(pickler.naming), frozenset(admitted_globals()))
+    if checked != _checked_last[0]:
+        join_state(skeleton, [None] * len(tensors), "the state to save")
+        _checked_last[0] = checked
     return SplitState(skeleton, tensors, tuple(keys))
 
 

@@ -220,20 +220,40 @@ def test_a_torch_function_mode_the_training_has_on_sees_none_of_the_save_s_or_th
     engine.close(job_finished=True)
 
 
-def test_the_garbage_collector_is_deferred_only_inside_the_block():
+def test_the_garbage_collector_is_deferred_only_inside_the_call_and_its_objects_are_gone_before_it_is_back():
     import gc
 
-    from ftmem.adapter import collection_deferred
+    from ftmem.adapter import with_collection_deferred
 
-    assert gc.isenabled()
-    with pytest.raises(RuntimeError), collection_deferred():
+    def failed_save():
         assert not gc.isenabled()
         raise RuntimeError("a failed save")
+
     assert gc.isenabled()
-    gc.disable()  # as under Megatron-LM's --manual-gc: the block leaves it off
+    with pytest.raises(RuntimeError):
+        with_collection_deferred(failed_save)
+    assert gc.isenabled()
+
+    # A save call's own objects (tracked ones, ten times the count that starts a collection)
+    # die as it returns: the collector, on again, finds nothing to scan.
+    collections = []
+
+    def save_call(n: int) -> int:
+        held = [[i] for i in range(n)]
+        return len(held)
+
+    gc.collect()
+    gc.callbacks.append(lambda phase, info: collections.append(info) if phase == "start" else None)
     try:
-        with collection_deferred():
-            assert not gc.isenabled()
+        assert with_collection_deferred(save_call, 10 * gc.get_threshold()[0]) == 10 * gc.get_threshold()[0]
+        [[i] for i in range(gc.get_threshold()[0] // 2)]  # what the training allocates next
+    finally:
+        gc.callbacks.pop()
+    assert collections == []
+
+    gc.disable()  # as under Megatron-LM's --manual-gc: the call leaves it off
+    try:
+        assert with_collection_deferred(lambda: gc.isenabled()) is False
         assert not gc.isenabled()
     finally:
         gc.enable()
