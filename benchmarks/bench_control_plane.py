@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Optional
@@ -145,7 +146,6 @@ class SimulatedDetector(FailureDetector):
     def _end(self, verdict: str) -> None:
         if self.ended_at is None and not self._stopped.is_set():
             self.ended_at = time.monotonic()
-            self.verdict = verdict
         self._stopped.set()
 
 
@@ -221,7 +221,7 @@ def worker(spec: dict) -> None:
                       "first": min(r[1] for r in requests), "last": max(r[1] + r[2] for r in requests),
                       # a wait's is how long the answer took to come, not the store's
                       "latencies": [r[2] for r in requests if r[0] != "wait"],
-                      "kinds": _counted(r[0] for r in requests), "ranks": len(ranks),
+                      "kinds": Counter(r[0] for r in requests), "ranks": len(ranks),
                       "window": None if window is None else window[1] - window[0]}), flush=True)
 
 
@@ -237,13 +237,6 @@ def _connector(first: CountedStore, host: str, port: int, wait_s: float, made: l
         made.append(store)
         return store
     return connect
-
-
-def _counted(kinds) -> dict:
-    counts: dict = {}
-    for kind in kinds:
-        counts[kind] = counts.get(kind, 0) + 1
-    return counts
 
 
 # -- the store, in a process of its own -----------------------------------------------------
@@ -338,10 +331,9 @@ def measure(path: str, world: int, workers: int, detector_timeout_s: float, spre
     done = [d for part in parts for d in part["done"]]
     missed = [answer for part in parts for answer in part["missed"]]
     span = parts[0]["window"] or max(part["last"] for part in parts) - min(part["first"] for part in parts)
-    kinds = _counted([])
+    kinds = Counter()
     for part in parts:
-        for kind, n in part["kinds"].items():
-            kinds[kind] = kinds.get(kind, 0) + n
+        kinds.update(part["kinds"])
     return {"time_s": max(done, default=0.0), "first_to_last_s": max(done, default=0.0) - min(done, default=0.0),
             "missed_n": len(missed), "missed": missed[:1], "store_rps_n": requests / span,
             "per_rank_n": requests / world,
@@ -361,8 +353,9 @@ def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, s
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the store holds a connection per rank
     for path in paths:
         for n in sizes:
-            if _threads_needed(path, n) > pid_max * 0.9:
-                raise SystemExit(f"ftmem bench control-plane: {path} at {n} ranks runs {_threads_needed(path, n)} "
+            threads = _threads_needed(path, n)
+            if threads > pid_max * 0.9:
+                raise SystemExit(f"ftmem bench control-plane: {path} at {n} ranks runs {threads} "
                                  f"threads, and this machine's kernel.pid_max is {pid_max}: raise it (sysctl -w "
                                  f"kernel.pid_max=4194304) or leave {n} out of --ranks")
             if n + 64 > hard:

@@ -82,6 +82,11 @@ class StandingConnection:
         return self._connection
 
 
+def taken(connection: Optional[StandingConnection], wait_s: float) -> Optional[dist.Store]:
+    """``connection.take(wait_s)``, or None where there is none (a job of one rank)."""
+    return connection.take(wait_s) if connection is not None else None
+
+
 PROBE_S = 1.0
 PROBE_REQUESTS = 1  # what taking it asks of the store
 _PROBE_KEY = "ftmem/probe"

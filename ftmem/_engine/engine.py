@@ -38,7 +38,7 @@ from ftmem._common import compat, exit_status, open_files
 from ftmem._common.deprecation import Renamed
 from ftmem._common.agreement import unanimous
 from ftmem._common.collective import NOTE_AFTER_S, Arrivals, collective_timeout_s, gather, new_group
-from ftmem._common.job_store import StandingConnection
+from ftmem._common.job_store import StandingConnection, taken
 from ftmem._common.logs import job_info, rank_warning
 from ftmem._engine.failure_detector import FailureDetector
 from ftmem._engine.handover import FlushHandOver
@@ -455,8 +455,8 @@ class SnapshotEngine:
         Else why not, the same on every rank; a store that does not answer is a no."""
         try:
             wait_s = finish_timeout_s()
-            verdict = unanimous(self._end_connection.take(wait_s) if self._end_connection is not None else None,
-                                f"ftmem/{what}/{self._run}", self.rank, self.identity.world_size, objection, wait_s)
+            verdict = unanimous(taken(self._end_connection, wait_s), f"ftmem/{what}/{self._run}", self.rank,
+                                self.identity.world_size, objection, wait_s)
         except Exception as e:  # the store is gone (the process that served it ended) or hung
             verdict = f"the job's store did not answer ({str(e).splitlines()[0]})"
         if verdict is not None and objection is None:

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ftmem._common import threads
 from ftmem._common.agreement import READ_WAIT_S, Decision
-from ftmem._common.job_store import StandingConnection, own_connection
+from ftmem._common.job_store import StandingConnection, own_connection, taken
 from ftmem._common.identity import RankIdentity
 from ftmem._common.logs import flush_logs, job_info, log, rank_info, rank_warning
 from ftmem.config import PreemptionConfig
@@ -96,8 +96,7 @@ class Preemption:
         try:
             wait_s = arrival_s(self.config.grace_s)
             why_not = whole_job_told(rank, self.identity.world_size, self._dead_here, wait_s,
-                                     self._connection.take(wait_s) if self._connection is not None else None,
-                                     self._key)
+                                     taken(self._connection, wait_s), self._key)
         except Exception as e:  # the job's store went first (the rank that served it died)
             why_not = f"the job's store does not answer ({str(e).splitlines()[0]})"  # (not torch's C++ frames)
         if why_not is not None:  # training went on meanwhile: what memory holds now is what the restart finds
