@@ -222,6 +222,7 @@ def test_a_torch_function_mode_the_training_has_on_sees_none_of_the_save_s_or_th
 
 def test_the_garbage_collector_is_deferred_only_inside_the_call_and_its_objects_are_gone_before_it_is_back():
     import gc
+    import weakref
 
     from ftmem.adapter import with_collection_deferred
 
@@ -234,22 +235,20 @@ def test_the_garbage_collector_is_deferred_only_inside_the_call_and_its_objects_
         with_collection_deferred(failed_save)
     assert gc.isenabled()
 
-    # A save call's own objects (tracked ones, ten times the count that starts a collection)
-    # die as it returns: the collector, on again, finds nothing to scan.
-    collections = []
+    # A save call's own objects die as it returns, before the collector is on again: else the
+    # first allocation after would have a collection scan them all.
+    class Built:
+        pass
 
-    def save_call(n: int) -> int:
-        held = [[i] for i in range(n)]
-        return len(held)
+    died_with_collector_on = []
 
-    gc.collect()
-    gc.callbacks.append(lambda phase, info: collections.append(info) if phase == "start" else None)
-    try:
-        assert with_collection_deferred(save_call, 10 * gc.get_threshold()[0]) == 10 * gc.get_threshold()[0]
-        [[i] for i in range(gc.get_threshold()[0] // 2)]  # what the training allocates next
-    finally:
-        gc.callbacks.pop()
-    assert collections == []
+    def save_call() -> int:
+        built = Built()
+        weakref.finalize(built, lambda: died_with_collector_on.append(gc.isenabled()))
+        return 7
+
+    assert with_collection_deferred(save_call) == 7
+    assert died_with_collector_on == [False]
 
     gc.disable()  # as under Megatron-LM's --manual-gc: the call leaves it off
     try:
