@@ -19,7 +19,9 @@ For each set:
   config selecting ``"engine": "ftmem"``. A test that runs past DeepSpeed's own bound on its
   ranks (``DS_UNITTEST_TIMEOUT``) ends its session (DeepSpeed's harness calls ``pytest.exit``):
   it is recorded as a hang and the session starts again with the tests left. ``--timeout``
-  (pytest-timeout) stops one whose main process waits elsewhere.
+  (pytest-timeout) stops one whose main process waits elsewhere. Shortly before DeepSpeed's
+  bound, every thread's stack of each process of the run is written to
+  ``build/peer/<set>/stacks/<mode>-<session>/hang-<n>.txt``, which the table names.
 
 Every test that passes stock must pass with ftmem, but for the exceptions :data:`EXCEPTIONS`
 names, each with its reason (docs/deepspeed.md); no test may hang with ftmem. The exit status
@@ -170,6 +172,8 @@ def run_mode(ps: PeerSet, python: str, tests_dir: str, ids: list[str], mode: str
     """Each test's outcome ('passed', 'failed', 'error', 'skipped', 'hang') in ``mode``."""
     outcomes: dict[str, str] = {}
     remaining, session = list(ids), 0
+    for old in glob.glob(os.path.join(BUILD, ps.name, "stacks", f"{mode}-*")):
+        shutil.rmtree(old)  # an earlier run's: the table names this run's
     while remaining:
         session += 1
         _free_shm(ps)
@@ -181,8 +185,9 @@ def run_mode(ps: PeerSet, python: str, tests_dir: str, ids: list[str], mode: str
                f"--junitxml={junit}", "-p", "ftmem_peer_plugin", *remaining]
         log.write(f"$ {mode} session {session}: {len(remaining)} tests\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=tests_dir, env=_env(ps, mode), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        stacks = os.path.join(BUILD, ps.name, "stacks", f"{mode}-{session}")
+        proc = subprocess.Popen(cmd, cwd=tests_dir, env=dict(_env(ps, mode), FTMEM_PEER_STACKS=stacks), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=(TEST_TIMEOUT_S + 60) * len(remaining))
         except subprocess.TimeoutExpired:
@@ -193,6 +198,8 @@ def run_mode(ps: PeerSet, python: str, tests_dir: str, ids: list[str], mode: str
             except ProcessLookupError:
                 pass
             proc.wait()
+        for own in glob.glob(os.path.join(stacks, "[0-9]*.txt")):
+            os.remove(own)  # each process's own file: what a hang's file gathered from them is kept
         ran = _junit(junit)
         if not ran and proc.returncode in PYTEST_RAN_NOTHING:
             raise RuntimeError(f"pytest ran none of the {len(remaining)} tests (exit {proc.returncode}); see {log.name}")
@@ -228,6 +235,15 @@ def _junit(path: str) -> dict[str, str]:
     return found
 
 
+def hang_stacks(set_name: str, mode: str) -> dict[str, str]:
+    """The file of stacks taken as each test of ``mode`` ran out of time, by node id."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(BUILD, set_name, "stacks", f"{mode}-*", "hang-*.txt"))):
+        with open(path) as f:
+            found[f.readline().split(": still running", 1)[0]] = os.path.relpath(path, REPO)
+    return found
+
+
 def excepted(node_id: str) -> Optional[str]:
     return next((reason for pattern, reason in EXCEPTIONS if re.search(pattern, key(node_id))), None)
 
@@ -241,6 +257,7 @@ def table(results: dict[str, dict[str, dict[str, str]]], took: dict[str, float])
         stock, ftmem = modes["stock"], modes["ftmem"]
         lines += [f"## {name}: DeepSpeed {ps.deepspeed}, torch {ps.torch}, tests of {ps.tag} ({ps.commit[:8]}); "
                   f"{took[name]:.0f} s", "", "| test | stock | ftmem |", "|---|---|---|"]
+        stacks = {mode: hang_stacks(name, mode) for mode in modes}
         for node in stock:
             note = ""
             if stock[node] == "passed" and ftmem.get(node) != "passed":
@@ -248,7 +265,9 @@ def table(results: dict[str, dict[str, dict[str, str]]], took: dict[str, float])
                 note = f" (by design: {reason})" if reason else " **regression**"
                 ok &= reason is not None
             ok &= ftmem.get(node) != "hang"
-            lines.append(f"| `{node}` | {stock[node]} | {ftmem.get(node, '-')}{note} |")
+            said = {mode: got.get(node, "-") + (f" (stacks: `{stacks[mode][node]}`)" if node in stacks[mode] else "")
+                    for mode, got in modes.items()}
+            lines.append(f"| `{node}` | {said['stock']} | {said['ftmem']}{note} |")
         counts = {mode: {o: sum(1 for v in got.values() if v == o) for o in sorted(set(got.values()))}
                   for mode, got in modes.items()}
         lines += ["", "; ".join(f"{mode}: " + ", ".join(f"{n} {o}" for o, n in c.items()) for mode, c in counts.items()),

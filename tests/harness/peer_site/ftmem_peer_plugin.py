@@ -6,10 +6,21 @@
   test left in ``FTMEM_PEER_SHM_DIR`` are freed, SMPs and memory, as a job's operator would
   with `ftmem clean`: each test's jobs are its own (their ids derive from the test's save
   dir), and kept memory would otherwise add up over hundreds of tests.
+* With ``FTMEM_PEER_STACKS``, a test still running :data:`STACKS_BEFORE_S` before DeepSpeed's
+  bound on its ranks (``DS_UNITTEST_TIMEOUT``) has every process of the run that can write its
+  stacks (see ``sitecustomize``) write them, and they are gathered into
+  ``<FTMEM_PEER_STACKS>/hang-<n>.txt``, headed by the test's id: where a hang waits, taken
+  before DeepSpeed's harness gives up on the ranks.
 """
+import glob
 import os
+import signal
+import threading
+import time
 
 import pytest
+
+STACKS_BEFORE_S = 15.0
 
 
 def pytest_collection_finish(session):
@@ -27,3 +38,62 @@ def pytest_runtest_teardown(item, nextitem):
 
         for job in jobs.list_jobs(shm_dir):
             jobs.clean(shm_dir, job)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    folder = os.environ.get("FTMEM_PEER_STACKS")
+    if not folder:
+        yield
+        return
+    done = threading.Event()
+    deadline_s = float(os.environ.get("DS_UNITTEST_TIMEOUT", "600")) - STACKS_BEFORE_S
+    watch = threading.Thread(target=_stacks_if_still_running, args=(item.nodeid, folder, deadline_s, done),
+                             daemon=True)
+    watch.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _stacks_if_still_running(node_id: str, folder: str, after_s: float, done: threading.Event) -> None:
+    if done.wait(after_s):
+        return
+    folder = os.path.realpath(folder)
+    files = {int(os.path.basename(path)[:-4]): path for path in glob.glob(os.path.join(folder, "*.txt"))
+             if os.path.basename(path)[:-4].isdigit()}
+    # Only a process holding its file open answers SIGUSR1 (any other it would end): one of an
+    # earlier test is gone, and its pid may be another process's now.
+    files = {pid: path for pid, path in files.items() if _holds(pid, path)}
+    before = {pid: os.path.getsize(path) for pid, path in files.items()}
+    for pid in files:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:  # gone since
+            pass
+    time.sleep(2.0)  # faulthandler writes from the signal handler at once; a stuck rank too
+    hangs = len(glob.glob(os.path.join(folder, "hang-*.txt")))
+    with open(os.path.join(folder, f"hang-{hangs + 1}.txt"), "w") as out:
+        out.write(f"{node_id}: still running {after_s:.0f} s into its call; every thread of each process\n")
+        for pid, path in sorted(files.items()):
+            with open(path) as f:
+                f.seek(before[pid])
+                stacks = f.read()
+            if stacks:
+                out.write(f"\n== pid {pid}: {_command(pid)}\n{stacks}")
+
+
+def _holds(pid: int, path: str) -> bool:
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:  # gone
+        return False
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "(gone)"

@@ -9,13 +9,19 @@ import no conftest.
   section naming ``FTMEM_PEER_SHM_DIR``. Nothing imports ftmem_deepspeed: its torch.backends
   entry point does, as for a user who only edits the JSON. A test that sets its own
   ``"checkpoint"`` section (``{"load_universal": true}``) keeps it, with the engine added.
+* With ``FTMEM_PEER_STACKS`` (a folder), SIGUSR1 makes the process write every thread's stack
+  to ``<folder>/<pid>.txt`` (faulthandler, which answers even with the main thread stuck in C):
+  the plugin sends it to a test's processes as the test runs out of time. A forked rank
+  writes to a file of its own pid.
 """
 import copy
+import faulthandler
 import functools
 import importlib.abc
 import importlib.util
 import json
 import os
+import signal
 import sys
 
 
@@ -73,5 +79,16 @@ class _AfterDeepSpeed(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _stacks_on_sigusr1() -> None:
+    folder = os.environ["FTMEM_PEER_STACKS"]
+    os.makedirs(folder, exist_ok=True)
+    # faulthandler keeps the file's descriptor, not the object: the file stays open with it.
+    _stacks_on_sigusr1.file = open(os.path.join(folder, f"{os.getpid()}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=_stacks_on_sigusr1.file, all_threads=True)
+
+
 if os.environ.get("FTMEM_PEER_MODE"):
     sys.meta_path.insert(0, _AfterDeepSpeed())
+if os.environ.get("FTMEM_PEER_STACKS"):
+    _stacks_on_sigusr1()
+    os.register_at_fork(after_in_child=_stacks_on_sigusr1)
