@@ -10,7 +10,8 @@
   bound on its ranks (``DS_UNITTEST_TIMEOUT``) has every process of the run that can write its
   stacks (see ``sitecustomize``) write them, and they are gathered into
   ``<FTMEM_PEER_STACKS>/hang-<n>.txt``, headed by the test's id: where a hang waits, taken
-  before DeepSpeed's harness gives up on the ranks.
+  before DeepSpeed's harness gives up on the ranks, and what any rank that left the test
+  raised.
 """
 import glob
 import os
@@ -48,8 +49,8 @@ def pytest_runtest_call(item):
         return
     done = threading.Event()
     deadline_s = float(os.environ.get("DS_UNITTEST_TIMEOUT", "600")) - STACKS_BEFORE_S
-    watch = threading.Thread(target=_stacks_if_still_running, args=(item.nodeid, folder, deadline_s, done),
-                             daemon=True)
+    watch = threading.Thread(target=_stacks_if_still_running,
+                             args=(item.nodeid, folder, time.time(), deadline_s, done), daemon=True)
     watch.start()
     try:
         yield
@@ -57,7 +58,8 @@ def pytest_runtest_call(item):
         done.set()
 
 
-def _stacks_if_still_running(node_id: str, folder: str, after_s: float, done: threading.Event) -> None:
+def _stacks_if_still_running(node_id: str, folder: str, started: float, after_s: float,
+                             done: threading.Event) -> None:
     if done.wait(after_s):
         return
     folder = os.path.realpath(folder)
@@ -82,6 +84,10 @@ def _stacks_if_still_running(node_id: str, folder: str, after_s: float, done: th
                 stacks = f.read()
             if stacks:
                 out.write(f"\n== pid {pid}: {_command(pid)}\n{stacks}")
+        for path in sorted(glob.glob(os.path.join(folder, "raised-*.txt"))):
+            if os.path.getmtime(path) >= started:  # a rank of this test that left it raising
+                with open(path) as f:
+                    out.write(f"\n== {os.path.basename(path)[:-4]}, a rank that left the test raising\n{f.read()}")
 
 
 def _holds(pid: int, path: str) -> bool:

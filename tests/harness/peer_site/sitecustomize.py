@@ -12,7 +12,8 @@ import no conftest.
 * With ``FTMEM_PEER_STACKS`` (a folder), SIGUSR1 makes the process write every thread's stack
   to ``<folder>/<pid>.txt`` (faulthandler, which answers even with the main thread stuck in C):
   the plugin sends it to a test's processes as the test runs out of time. A forked rank
-  writes to a file of its own pid.
+  writes to a file of its own pid, and what a rank of DeepSpeed's harness raises goes to
+  ``<folder>/raised-<pid>.txt``.
 """
 import copy
 import faulthandler
@@ -23,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 
 
 def _force_ftmem(config: dict) -> dict:
@@ -57,11 +59,14 @@ def _wrapped_initialize(initialize):
     return wrapper
 
 
-class _AfterDeepSpeed(importlib.abc.MetaPathFinder):
-    """Adjusts the ``deepspeed`` package once it has been imported."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``adjust`` with the module ``name`` once it has been imported."""
+
+    def __init__(self, name: str, adjust):
+        self.name, self.adjust = name, adjust
 
     def find_spec(self, name, path, target=None):
-        if name != "deepspeed":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -71,12 +76,34 @@ class _AfterDeepSpeed(importlib.abc.MetaPathFinder):
 
         def exec_then_adjust(module):
             exec_module(module)
-            module.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-            if os.environ.get("FTMEM_PEER_MODE") == "ftmem":
-                module.initialize = _wrapped_initialize(module.initialize)
+            self.adjust(module)
 
         spec.loader.exec_module = exec_then_adjust
         return spec
+
+
+def _adjust_deepspeed(deepspeed) -> None:
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if os.environ.get("FTMEM_PEER_MODE") == "ftmem":
+        deepspeed.initialize = _wrapped_initialize(deepspeed.initialize)
+
+
+def _note_what_a_rank_raises(common) -> None:
+    """A rank of DeepSpeed's harness that raises leaves the pool, and its exception is read only
+    once every rank is done: where the others then wait for it in a collective, the test hangs
+    and the exception is never seen. Each is written to ``<FTMEM_PEER_STACKS>/raised-<pid>.txt``."""
+    stock = common.DistributedExec._dist_run
+
+    @functools.wraps(stock)
+    def _dist_run(self, *args, **kwargs):
+        try:
+            return stock(self, *args, **kwargs)
+        except BaseException:
+            with open(os.path.join(os.environ["FTMEM_PEER_STACKS"], f"raised-{os.getpid()}.txt"), "w") as f:
+                traceback.print_exc(file=f)
+            raise
+
+    common.DistributedExec._dist_run = _dist_run
 
 
 def _stacks_on_sigusr1() -> None:
@@ -88,7 +115,8 @@ def _stacks_on_sigusr1() -> None:
 
 
 if os.environ.get("FTMEM_PEER_MODE"):
-    sys.meta_path.insert(0, _AfterDeepSpeed())
+    sys.meta_path.insert(0, _AfterImport("deepspeed", _adjust_deepspeed))
 if os.environ.get("FTMEM_PEER_STACKS"):
     _stacks_on_sigusr1()
     os.register_at_fork(after_in_child=_stacks_on_sigusr1)
+    sys.meta_path.insert(0, _AfterImport("unit.common", _note_what_a_rank_raises))
