@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Iterator, Optional, Sequence, TypeVar
@@ -105,42 +107,57 @@ class Arrivals:
         """Until every one of ``works`` (this rank's part of the collective, posted at
         ``posted`` within ``bound_s``: :func:`posted_within`) is done: CollectiveNotJoined naming
         the ranks that had not come when they ran out; a work that failed sooner (a peer's
-        connection closed) raises its own error."""
+        connection closed) raises its own error.
+
+        Each work is waited for once, up to the bound: a gloo send or receive whose wait runs
+        out closes its connection to the peer, so a wait cut short at NOTE_AFTER_S could not be
+        resumed. The note is made meanwhile on a timer's thread, joined before this returns, so
+        the connection is never used by two threads at once."""
         self._made += 1
-        noted = False
-        for work in works:
-            while True:
-                try:
-                    work.wait(timeout=timedelta(seconds=NOTE_AFTER_S if not noted else NOTE_AFTER_S + bound_s))
-                    break
-                except RuntimeError:
-                    ran_out = time.monotonic() - posted >= bound_s
-                    if work.is_completed() and not ran_out:  # it failed: no wait for latecomers
-                        raise
-                    if ran_out:
-                        raise CollectiveNotJoined(
-                            f"{what}: {self._named()} did not come within {bound_s:g} s ({TIMEOUT_ENV} sets how far "
-                            f"apart the ranks may come); they died, hang, or no longer save the same versions. The "
-                            f"failure detector ends a job whose rank died or hangs; restart the job.") from None
-                noted = noted or self._note()
+        deadline = posted + bound_s
+        note = threading.Timer(NOTE_AFTER_S, self._note)
+        note.daemon = True
+        note.start()
+        ran_out = False
+        try:
+            for work in works:
+                work.wait(timeout=_until(deadline))
+        except RuntimeError:
+            if time.monotonic() < deadline:  # it failed: no wait for latecomers
+                raise
+            ran_out = True
+        finally:
+            note.cancel()
+            note.join()
+        if ran_out:
+            raise CollectiveNotJoined(
+                f"{what}: {self._named()} did not come within {bound_s:g} s ({TIMEOUT_ENV} sets how far "
+                f"apart the ranks may come); they died, hang, or no longer save the same versions. The "
+                f"failure detector ends a job whose rank died or hangs; restart the job.")
 
     def _arrivals(self) -> Decision:
         """The decision of this rank's current collective of the kind."""
         return Decision(self._connection.take(NOTE_AFTER_S), f"{self._key}/{self._made}", self.rank, len(self.ranks),
                         self.ranks)
 
-    def _note(self) -> bool:
+    def _note(self) -> None:
         try:
             self._arrivals().arrive()
         except Exception:  # no store to say it on (one rank, a store gone): the wait names nobody
             pass
-        return True
 
     def _named(self) -> str:
         try:
             return _named(self._arrivals())
         except Exception:  # no connection to the store: nothing to tell
             return "some ranks"
+
+
+def _until(deadline: float) -> timedelta:
+    """A work's wait timeout that ends at ``deadline`` (time.monotonic()) or just after: torch
+    counts it in whole milliseconds, and one that ended a fraction before would be taken for a
+    work that failed. At least a millisecond: a wait of 0 has no bound."""
+    return timedelta(milliseconds=max(math.ceil((deadline - time.monotonic()) * 1000), 1))
 
 
 def gather_bytes(payload: bytes, group: dist.ProcessGroup, arrivals: Arrivals, what: str) -> list[bytes]:

@@ -187,7 +187,8 @@ class SnapshotEngine:
         self._restorer = Restorer(self.store, self.memory, self.topology, column, gloo, self.dp_peers, self.layout)
         arrivals = None
         if gloo is not None:
-            notes = StandingConnection(self._job_store, NOTE_AFTER_S)  # both kinds note on the protection's thread
+            # Both kinds note from the protection's thread, one wait at a time.
+            notes = StandingConnection(self._job_store, NOTE_AFTER_S)
             arrivals = Arrivals(notes, f"ftmem/arrivals/{self._run}/rounds", self.rank, range(world_size))
             if column is not None:
                 column.arrivals = Arrivals(notes, f"ftmem/arrivals/{self._run}/column", self.rank,

@@ -194,3 +194,43 @@ def test_a_late_collective_is_noted_and_its_latecomers_named_over_the_connection
     with pytest.raises(CollectiveNotJoined, match=r"the test's collective: ranks \[1\] did not come within 3 s"):
         arrivals.wait([work], "the test's collective", bound_s, posted)
     assert not _connections_to(server.port) - before  # no connection made during the wait
+
+
+def test_a_point_to_point_peer_that_comes_after_the_note_is_waited_for_and_one_that_never_comes_is_named():
+    """The protection's exchange goes point to point. A gloo send or receive whose wait runs out
+    closes its connection to the peer, so a wait cut short to note the latecomers can never be
+    resumed: a peer that comes after the note (3 s late here, past NOTE_AFTER_S) must still get
+    its bytes, and the sender's arrival is on the store. Then a peer that never comes is named
+    once the bound runs out, not a note's wait after it. A real gloo group of two, in threads."""
+    server, clients = store_and_clients(2)
+    bound_s, groups = NOTE_AFTER_S + 4, {}
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("gloo", clients[rank]), rank, 2,
+                                             timedelta(seconds=bound_s))
+
+    joining = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in joining:
+        thread.start()
+    for thread in joining:
+        thread.join(60)
+    arrivals = Arrivals(StandingConnection(server, NOTE_AFTER_S), "ftmem/arrivals/run/column", 0, [0, 1])
+    received = torch.zeros(1000)
+
+    def receive_late() -> None:
+        time.sleep(NOTE_AFTER_S + 1)
+        groups[1].recv([received], 0, 7).wait()
+
+    receiver = threading.Thread(target=receive_late)
+    receiver.start()
+    posted = time.monotonic()
+    arrivals.wait([groups[0].send([torch.arange(1000.0)], 1, 7)], "the test's exchange", bound_s, posted)
+    receiver.join(30)
+    assert torch.equal(received, torch.arange(1000.0))
+    noted = Decision(server, "ftmem/arrivals/run/column/1", 1, 2)
+    assert noted.arrivals() == 1 and noted.missing() == []  # rank 0 noted that it came, and only rank 0
+
+    posted = time.monotonic()
+    with pytest.raises(CollectiveNotJoined, match=r"the test's exchange: ranks \[1\] did not come within 6 s"):
+        arrivals.wait([groups[0].send([torch.ones(10)], 1, 8)], "the test's exchange", bound_s, posted)
+    assert time.monotonic() - posted < bound_s + NOTE_AFTER_S / 2
