@@ -1118,20 +1118,33 @@ def test_a_checkpoint_another_job_wrote_into_the_save_dir_is_refused_not_served_
 
 
 @pytest.mark.fault("rank SIGKILLed", phase="during a flush", framework="DeepSpeed ZeRO-1",
-                   expect="resumes bitwise from disk: version 2, the partial flush of version 4 never published")
+                   expect="resumes bitwise from disk: version 2, the partial flush after it never published")
 def test_a_flush_killed_midway_leaves_the_previous_checkpoint_the_newest(shm_dir, tmp_path):
-    """Rank 0 dies after writing one file of version 4's flush: the disk still says
-    version 2, whose directory is complete, and a restart that memory cannot serve
-    resumes from it bitwise."""
-    persist = str(tmp_path / "persist")
+    """Rank 0 dies after writing one file of the flush after version 2's: the disk still says
+    version 2, whose directory is complete, and a restart that memory cannot serve resumes
+    from it bitwise.
+
+    Which version that flush is depends on timing: the tier flushes every second protected
+    version, and one that comes while a flush still runs is skipped (flushes never queue). So
+    rank 1 holds after its commit of version 3, before the vote that protects it, until version
+    2's flush is done on every rank: no version after it is skipped. Without the hold, on a
+    loaded machine, version 2's flush outlived the versions after it."""
+    persist, hooks = str(tmp_path / "persist"), tmp_path / "hooks"
+    hooks.mkdir()
     ftmem = {"persist": {"dir": persist, "interval": 2, "keep": 2}}
     ref = reference("zero1.json", 3, str(tmp_path / "reference"))
     job = DSJob("zero1.json", 3, shm_dir, str(tmp_path / "run"), ftmem=ftmem)
-    with job.start(rank_env={0: {"FTMEM_TEST_HOOK": "mid_flush:kill:rank=0:version=4"}}) as run:
-        wait_until(lambda: run.procs[0].poll() is not None, TIMEOUT, "rank 0 killed in its flush of version 4")
+    rank_env = {0: {"FTMEM_TEST_HOOK": "mid_flush:kill:rank=0:version=3+"},
+                1: {"FTMEM_TEST_HOOK": "after_commit:hold:rank=1:version=3", "FTMEM_TEST_HOOK_DIR": str(hooks)}}
+    with job.start(rank_env=rank_env) as run:
+        wait_until(lambda: all(f"rank {r}: flushed version 2 to" in job.log(r) for r in range(3)), TIMEOUT,
+                   "every rank's flush of version 2")
+        (hooks / "resume.rank1.v3").touch()
+        wait_until(lambda: run.procs[0].poll() is not None, TIMEOUT, "rank 0 killed in the flush after version 2's")
     with open(os.path.join(persist, "latest")) as f:
         assert f.read() == "global_step2"
-    assert os.path.isdir(os.path.join(persist, ".global_step4.tmp"))  # the partial flush, never published
+    partial = [name for name in os.listdir(persist) if name.startswith(".")]
+    assert len(partial) == 1 and re.fullmatch(r"\.global_step[3-6]\.tmp", partial[0]), partial  # never published
     for lost in (0, 1):  # more than m=1: memory cannot serve
         jobs.lose_node(shm_dir, job.job, lost)
     assert job.run("--load") == [0] * 3, job.log(0)[-5000:]
