@@ -28,8 +28,10 @@ def test_a_rank_killed_during_the_preemption_flush_leaves_the_disk_as_it_was_and
         shm_dir, tmp_path, fault_clock):
     """A flush every 3rd version; the job is preempted (SIGTERM to every rank) after step STOP,
     its syncs slowed so that the flush of version STOP+1 takes seconds; rank 1 is SIGKILLed in
-    the middle of it. Rank 0 ends by its SIGTERM, as without ftmem, well within the grace; the
-    disk still names global_step3, and the relaunch resumes from memory, bitwise."""
+    the middle of it, once rank 0 made its staging directory (the job's log line before the
+    flush came first, and on a loaded machine rank 1 died before the job had chosen the version).
+    Rank 0 ends by its SIGTERM, as without ftmem, well within the grace; the disk still names
+    global_step3, and the relaunch resumes from memory, bitwise."""
     ref = reference("zero1.json", WORLD, str(tmp_path / "reference"))
     persist = str(tmp_path / "persist")
     job = DSJob("zero1.json", WORLD, shm_dir, str(tmp_path / "run"),
@@ -41,8 +43,8 @@ def test_a_rank_killed_during_the_preemption_flush_leaves_the_disk_as_it_was_and
         with slow_calls([p.pid for p in run.procs], ["fsync", "fdatasync"], 2):
             for proc in run.procs:
                 proc.send_signal(signal.SIGTERM)
-            run.wait_for(lambda: "the newest version goes to" in run.log(0), GRACE_S,
-                         "the job's decision to flush")
+            run.wait_for(lambda: os.path.isdir(os.path.join(persist, f".global_step{newest}.tmp")), GRACE_S,
+                         f"the flush of version {newest} to start")
             run.procs[1].kill()
             fault_clock.injected()
             assert run.wait(GRACE_S) == [-signal.SIGTERM, -signal.SIGKILL], run.tails()
