@@ -24,7 +24,8 @@ CopyOut = Callable[[CommitRecord, torch.Tensor], Any]
 class FinalFlush:
     """What the flush at a preemption did, the same on every rank."""
 
-    version: Optional[int]  # the version it was about (None: this run's memory held none)
+    version: Optional[int]  # the version it was about (None: this run's memory held none, or the protection
+    # stopped before the job chose one)
     written: bool  # False: it was on disk already, or could not be written
     problem: Optional[str] = None  # why it was not written
 

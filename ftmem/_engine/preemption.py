@@ -113,8 +113,9 @@ class Preemption:
             return say_grace_ended(rank, self.config.grace_s)
         if final.written:
             job_info("flushed version %d to %s at %s: a relaunch resumes from it", final.version, root, name)
-        elif final.problem is not None:
-            job_info("version %s was not flushed at %s (%s)", final.version, name, final.problem)
+        elif final.problem is not None:  # no version if the protection stopped before the job chose one
+            job_info("%s was not flushed at %s (%s)", "the newest version" if final.version is None else
+                     f"version {final.version}", name, final.problem)
         else:
             job_info("at %s, version %s was on disk already", name, final.version)
 
