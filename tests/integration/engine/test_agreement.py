@@ -169,14 +169,10 @@ def _connections_to(port: int) -> set[str]:
     return {row[1] for row in rows if int(row[2].rsplit(":", 1)[1], 16) == port}
 
 
-def test_a_late_collective_is_noted_and_its_latecomers_named_over_the_connection_made_at_the_start():
-    """When a rank is late to a protection's collective, every other rank notes it on the store
-    within the same second: over a connection made at the engine's start, not one made then (a
-    new connection at every rank at once, each looked up by name on the store's one serving
-    thread). A real gloo group of two, its operations timing out at the bound as the
-    protection's do; rank 1 never comes."""
-    server, clients = store_and_clients(2)
-    bound_s, groups = NOTE_AFTER_S + 1, {}
+def gloo_pair(clients: list, bound_s: float) -> list:
+    """A real gloo group of two over ``clients`` (each rank's connection), joined in threads,
+    its operations timing out at ``bound_s`` as the protection's do."""
+    groups: dict = {}
 
     def join(rank: int) -> None:
         groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("gloo", clients[rank]), rank, 2,
@@ -187,6 +183,18 @@ def test_a_late_collective_is_noted_and_its_latecomers_named_over_the_connection
         thread.start()
     for thread in joining:
         thread.join(60)
+    return [groups[0], groups[1]]
+
+
+def test_a_late_collective_is_noted_and_its_latecomers_named_over_the_connection_made_at_the_start():
+    """When a rank is late to a protection's collective, every other rank notes it on the store
+    within the same second: over a connection made at the engine's start, not one made then (a
+    new connection at every rank at once, each looked up by name on the store's one serving
+    thread). A real gloo group of two, its operations timing out at the bound as the
+    protection's do; rank 1 never comes."""
+    server, clients = store_and_clients(2)
+    bound_s = NOTE_AFTER_S + 1
+    groups = gloo_pair(clients, bound_s)
     arrivals = Arrivals(StandingConnection(server, NOTE_AFTER_S), "ftmem/arrivals/run/rounds", 0, [0, 1])
     before = _connections_to(server.port)
     posted = time.monotonic()
@@ -203,17 +211,8 @@ def test_a_point_to_point_peer_that_comes_after_the_note_is_waited_for_and_one_t
     its bytes, and the sender's arrival is on the store. Then a peer that never comes is named
     once the bound runs out, not a note's wait after it. A real gloo group of two, in threads."""
     server, clients = store_and_clients(2)
-    bound_s, groups = NOTE_AFTER_S + 4, {}
-
-    def join(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("gloo", clients[rank]), rank, 2,
-                                             timedelta(seconds=bound_s))
-
-    joining = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
-    for thread in joining:
-        thread.start()
-    for thread in joining:
-        thread.join(60)
+    bound_s = NOTE_AFTER_S + 4
+    groups = gloo_pair(clients, bound_s)
     arrivals = Arrivals(StandingConnection(server, NOTE_AFTER_S), "ftmem/arrivals/run/column", 0, [0, 1])
     received = torch.zeros(1000)
 
