@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from ftmem._common import compat, open_files, testhooks
+from ftmem._common import compat, open_files, testhooks, threads
 from ftmem._common.agreement import Decision
 from ftmem._common.job_store import StandingConnection
 from ftmem.config import INTERFACE_ENV, seconds_from_env
@@ -111,13 +111,13 @@ class Arrivals:
 
         Each work is waited for once, up to the bound: a gloo send or receive whose wait runs
         out closes its connection to the peer, so a wait cut short at NOTE_AFTER_S could not be
-        resumed. The note is made meanwhile on a timer's thread, joined before this returns, so
-        the connection is never used by two threads at once."""
+        resumed. The note is made meanwhile on a thread of ftmem's (this wait may run on the
+        training thread), joined before this returns, so the connection is never used by two
+        threads at once."""
         self._made += 1
         deadline = posted + bound_s
-        note = threading.Timer(NOTE_AFTER_S, self._note)
-        note.daemon = True
-        note.start()
+        done = threading.Event()
+        note = threads.start(lambda: done.wait(NOTE_AFTER_S) or self._note(), "ftmem-arrivals-note")
         ran_out = False
         try:
             for work in works:
@@ -127,7 +127,7 @@ class Arrivals:
                 raise
             ran_out = True
         finally:
-            note.cancel()
+            done.set()
             note.join()
         if ran_out:
             raise CollectiveNotJoined(
