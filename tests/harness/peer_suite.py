@@ -21,7 +21,7 @@ For each set:
   it is recorded as a hang and the session starts again with the tests left. ``--timeout``
   (pytest-timeout) stops one whose main process waits elsewhere. Shortly before DeepSpeed's
   bound, every thread's stack of each process of the run is written to
-  ``build/peer/<set>/stacks/<mode>-<session>/hang-<n>.txt``, which the table names.
+  ``build/peer/<set>/stacks/<mode>-<run>.<session>/hang-<n>.txt``, which the table names.
 
 Every test that passes stock must pass with ftmem, but for the exceptions :data:`EXCEPTIONS`
 names, each with its reason (docs/deepspeed.md); no test may hang with ftmem. A test that broke
