@@ -187,7 +187,7 @@ class SnapshotEngine:
         self._restorer = Restorer(self.store, self.memory, self.topology, column, gloo, self.dp_peers, self.layout)
         arrivals = None
         if gloo is not None:
-            # Both kinds note from the protection's thread, one wait at a time.
+            # Both kinds note over one connection, one wait at a time (each wait joins its note).
             notes = StandingConnection(self._job_store, NOTE_AFTER_S)
             arrivals = Arrivals(notes, f"ftmem/arrivals/{self._run}/rounds", self.rank, range(world_size))
             if column is not None:
