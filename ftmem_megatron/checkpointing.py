@@ -34,7 +34,7 @@ from ftmem.adapter import (DISK, MEMORY, SCRATCH, Adopted, AdapterRuntime, DiskC
                            require_for, tensors, with_collection_deferred)
 
 from .arguments import validate_ftmem_args
-from .format import MegatronFormat, flushes_from_memory, torch_format
+from .format import MegatronFormat, TorchFormat, flushes_from_memory
 from .sharded_state import ReplicatedPaths, from_snapshot, local_tensors, pieces_by_key, to_snapshot
 from .torch_checkpoint import RELEASE, read_tracker
 
@@ -168,6 +168,9 @@ def _drop(placeholders: list) -> None:
         state.pop(param, None)
 
 
+_MODEL = "model"  # the sharded state's key of each model chunk, with its index: model0, model1, ...
+
+
 def _sharded_state(model: list, optimizer, placeholders: Optional[list] = None) -> dict:
     """The model's and optimizer's sharded state dicts, to save; or, given ``placeholders``
     (a list), a load's template, the optimizer's placeholders added to the list."""
@@ -176,7 +179,7 @@ def _sharded_state(model: list, optimizer, placeholders: Optional[list] = None) 
     if is_loading and optimizer is not None:
         _give_distributed_optimizer_a_state(optimizer)
         placeholders.extend(_give_optimizer_placeholders(optimizer))
-    state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    state = {f"{_MODEL}{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     if optimizer is not None:
         # Only the distributed optimizer reads the metadata, and megatron-core before 0.13 takes
         # none (ftmem needs 0.15 with the distributed optimizer: MegatronCheckpointer checks).
@@ -220,6 +223,7 @@ class MegatronCheckpointer:
                                       framework_on_disk=functools.partial(saved_iteration, args.save))
         self._described = False
         self._replicated_paths = ReplicatedPaths()
+        self._torch_format = TorchFormat()
         self._last_resume: Optional[Resumption] = None  # the last load's, for the disk line after Megatron's own load
 
     def save(self, iteration: int, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
@@ -253,7 +257,8 @@ class MegatronCheckpointer:
             "args": {name: getattr(args, name, None) for name in COMPATIBILITY_ARGS},
             "progress": {name: getattr(args, name) for name in PROGRESS_ARGS if hasattr(args, name)},
             # After "sharded": its tensors are the same ones, stored once, with the flags above.
-            "torch_format": torch_format(unwrap_model(model), optimizer, args, persistent),
+            "torch_format": self._torch_format.view(unwrap_model(model), optimizer, args, persistent, {
+                path: place for path, place in places.items() if path.startswith(_MODEL)}, placed),
         }
         # The next forward may write the modules' buffers in place before the step (the
         # router's token counts, normalization statistics): copied during this call.
@@ -311,7 +316,7 @@ class MegatronCheckpointer:
         # the model's leaf parameters, which its load copies into.
         with torch.no_grad():
             for i, chunk in enumerate(unwrap_model(model)):
-                chunk.load_state_dict(filled[f"model{i}"], strict=True)
+                chunk.load_state_dict(filled[f"{_MODEL}{i}"], strict=True)
             if optimizer is not None:
                 optimizer.load_state_dict(filled["optimizer"])
             elif kept_optimizer is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):

@@ -25,17 +25,17 @@ itself, as without ftmem.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from ftmem import FtmemError
-from ftmem.adapter import FrameworkFormat, save_atomically
+from ftmem.adapter import FrameworkFormat, elements, save_atomically
 
 from .arguments import in_memory
 from .sharded_state import Place
-from .torch_checkpoint import (MODEL_FILENAME, checkpoint_content, iteration_dir, model_state, own_rng_state,
-                               rank_dir_name, rng_state, set_rng_state, write_tracker)
+from .torch_checkpoint import (MODEL_FILENAME, checkpoint_content, iteration_dir, model_keys, model_state,
+                               own_rng_state, rank_dir_name, rng_state, set_rng_state, write_tracker)
 
 # Places ride in every snapshot's skeleton, which ftmem loads only with admitted types (the
 # list torch.load(weights_only=True) uses): admitted wherever this format is loaded, the
@@ -49,19 +49,98 @@ def flushes_from_memory(args) -> bool:
             and not getattr(args, "use_distributed_optimizer", False))
 
 
-def torch_format(model: list, optimizer, args, persistent: bool) -> Optional[dict]:
-    """The parts of ``model_optim_rng.pt`` a snapshot carries beside its sharded state:
-    model and optimizer state dicts (aliases of the snapshot's tensors), the args and
-    this rank's directory name. A persistent save adds the DP ranks' RNG states, which
-    the writer stores (a collective over DP, as in Megatron-LM's save). None with the
-    distributed optimizer (see the module doc)."""
-    if getattr(args, "use_distributed_optimizer", False):
+class TorchFormat:
+    """The parts of ``model_optim_rng.pt`` a snapshot carries beside its sharded state, at
+    each save (:meth:`view`)."""
+
+    def __init__(self) -> None:
+        self._model_states = ModelStates()
+
+    def view(self, model: list, optimizer, args, persistent: bool, model_places: dict, placed: dict) -> Optional[dict]:
+        """Model and optimizer state dicts (aliases of the snapshot's tensors), the args and
+        this rank's directory name; ``model_places`` and ``placed`` as :meth:`ModelStates.of`
+        takes them. A persistent save adds the DP ranks' RNG states, which the writer stores
+        (a collective over DP, as in Megatron-LM's save). None with the distributed optimizer
+        (see the module doc)."""
+        if getattr(args, "use_distributed_optimizer", False):
+            return None
+        content = {"model": self._model_states.of(model, model_places, placed),
+                   "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                   "args": args, "rank_dir": rank_dir_name()}
+        if persistent:
+            content["rng_state"] = rng_state(args)
+        return content
+
+
+class ModelStates:
+    """The model entries of ``model_optim_rng.pt`` (:func:`~ftmem_megatron.torch_checkpoint.model_state`)
+    at each save, kept from one save to the next.
+
+    megatron-core walks every module for them (``state_dict_for_save_checkpoint``): about
+    8 ms of each save call at 80 layers on the project's CPU machine, the largest part of
+    ftmem's share. What the walk gives is detached views of the parameters and buffers, which
+    training updates in place, so one save's result holds at the next as long as nothing but
+    values changed. That is checked at every save, and the walk runs again where it fails:
+    the places of the model's sharded state are the last walk's (no tensor added, removed or
+    reshaped), its tensors view the same elements as then, each of the kept tensors among them
+    (a parameter replaced, or a state-dict hook that makes new tensors, fails it), and each
+    value that is not a tensor is a module's ``_extra_state``, which is asked for again (it may
+    change at every step, as Transformer Engine's FP8 scales do)."""
+
+    def __init__(self) -> None:
+        self._kept: Optional[_KeptModelState] = None
+
+    def of(self, model: list, model_places: dict, placed: dict) -> dict:
+        """``model_state(model)``. ``model_places`` are the places of the model's sharded state
+        by path, ``placed`` the sharded state's tensors by path
+        (:func:`~ftmem_megatron.sharded_state.to_snapshot`)."""
+        held = elements([placed[path] for path in model_places])
+        kept = self._kept
+        if kept is not None and kept.places == model_places and kept.held == held:
+            for entries, key, module in kept.extra_states:
+                entries[key] = module.get_extra_state()
+            return kept.entries
+        entries = model_state(model)
+        self._kept = _kept(model, entries, model_places, held)
+        return entries
+
+
+class _KeptModelState(NamedTuple):
+    places: dict  # the places of the model's sharded state at the walk
+    held: list  # what its tensors viewed then (ftmem.adapter.elements)
+    entries: dict  # model_state(model)'s result, each tensor among those
+    extra_states: list  # (entries of a chunk, key, module) of each _extra_state, asked again at each save
+
+
+def _kept(model: list, entries: dict, places: dict, held: list) -> Optional[_KeptModelState]:
+    """``entries`` (``model_state(model)``), kept where each tensor views one of the elements
+    ``held`` and each other value is a module's ``_extra_state``; else None."""
+    found, extra_states = [], []
+    for name, chunk in zip(model_keys(len(model)), model):
+        for key, value in entries[name].items():
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+                continue
+            module = _extra_state_owner(chunk, key)
+            if module is None:
+                return None
+            extra_states.append((entries[name], key, module))
+    return _KeptModelState(places, held, entries, extra_states) if set(held).issuperset(elements(found)) else None
+
+
+def _extra_state_owner(chunk: torch.nn.Module, key: str) -> Optional[torch.nn.Module]:
+    """The module whose ``get_extra_state()`` the state dict holds at ``key``; None where the
+    key is no module's extra state."""
+    if key != _EXTRA_STATE and not key.endswith("." + _EXTRA_STATE):
         return None
-    content = {"model": model_state(model), "optimizer": optimizer.state_dict() if optimizer is not None else None,
-               "args": args, "rank_dir": rank_dir_name()}
-    if persistent:
-        content["rng_state"] = rng_state(args)
-    return content
+    try:
+        module = chunk.get_submodule(key[:-len(_EXTRA_STATE)].rstrip("."))
+    except AttributeError:
+        return None
+    return module if type(module).get_extra_state is not torch.nn.Module.get_extra_state else None
+
+
+_EXTRA_STATE = "_extra_state"  # torch's key, after a module's prefix, for what get_extra_state() gives
 
 
 def write_model_optim_rng(state: Any, directory: str, wrote: Callable[[str], None]) -> None:

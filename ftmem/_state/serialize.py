@@ -34,6 +34,7 @@ import torch._weights_only_unpickler as weights_only
 
 from ftmem.errors import UnadmittedType, UnsupportedTensor
 from ftmem._state.gc_deferral import with_collection_deferred
+from ftmem._state.torch_function import modes_off
 
 # Plain types a state holds beyond what torch's weights_only list has: containers and
 # scalars, argparse.Namespace (Megatron's args), numpy arrays (numpy's RNG state) under
@@ -121,7 +122,7 @@ class _SkeletonPickler(pickle.Pickler):
     # was most of the training loop's wait in the save call. Per tensor it only keeps the
     # tensor and answers with the same reduction: a save call meets thousands of tensors,
     # and a Python step for each costs it milliseconds. What tells views apart and what a
-    # plan depends on are asked for afterwards, for all tensors at once (_elements).
+    # plan depends on are asked for afterwards, for all tensors at once (elements).
     def __init__(self, buf: io.BytesIO):
         super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
         self.found: list[torch.Tensor] = []  # every tensor object, in the order the skeleton meets them
@@ -170,11 +171,16 @@ def _reduces_to_a_name(obj: Any, kind: type) -> bool:
         return False
 
 
-def _elements(found: list[torch.Tensor]) -> list[tuple]:
+def elements(found: list[torch.Tensor]) -> list[tuple]:
     """Per tensor, what identifies the elements it views: (address of the first element,
     shape, strides or None where contiguous, dtype, device index): two tensors with the same
     key read and write the same memory in the same way. UnsupportedTensor for a tensor that is
     not dense and strided."""
+    with modes_off():  # asked of thousands of tensors: not a Python call each through a mode
+        return _elements(found)
+
+
+def _elements(found: list[torch.Tensor]) -> list[tuple]:
     try:
         addresses, dtypes = list(map(_DATA_PTR, found)), list(map(_DTYPE, found))
         contiguous = list(map(_CONTIGUOUS, found))
@@ -221,7 +227,7 @@ class SplitState(NamedTuple):
 
     skeleton: bytes
     tensors: list[torch.Tensor]  # each view of the same elements once, in the order the state holds them
-    # per tensor, what identifies the elements it views (_elements): (address of the first
+    # per tensor, what identifies the elements it views (elements): (address of the first
     # element, shape, strides or None where contiguous, dtype, device index)
     elements: tuple[tuple, ...]
 
@@ -240,7 +246,7 @@ def _split(state: Any) -> SplitState:
     pickler = _SkeletonPickler(buf)
     pickler.dump(state)
     found = pickler.found
-    keys = _elements(found)
+    keys = elements(found)
     # Each key's first reference (a dict keeps the last value given for a key).
     first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
     if len(first) == len(keys):

@@ -17,7 +17,7 @@ from ftmem._shm.private import write_atomically
 from ftmem._shm.slots import VersionRef
 from ftmem._state.destinations import RestoreTargets, TensorPlace
 from ftmem._state.gc_deferral import with_collection_deferred
-from ftmem._state.serialize import refuse_unless_weights_only
+from ftmem._state.serialize import elements, refuse_unless_weights_only
 from ftmem._state.tree import apply_map_location, holds_tensors, leaves, lowest_rank_first, map_tree, tensors
 from ftmem.adapter._runtime import (DISK, MEMORY, SCRATCH, AdapterRuntime, DiskCheckpoint, ResumeSource, Resumption,
                                     check_startup)
@@ -30,6 +30,7 @@ __all__ = [
     "FtmemConfig", "DP_SHARD_CHOICES", "ParallelLayout", "SaveHandle", "Restored", "RestoreTimes", "VersionRef",
     "with_collection_deferred", "gather_dp_groups", "flushed", "save_atomically", "write_atomically", "Written",
     "everyone_joins",
-    "map_tree", "leaves", "tensors", "holds_tensors", "apply_map_location", "lowest_rank_first", "refuse_unless_weights_only",
+    "map_tree", "leaves", "tensors", "elements", "holds_tensors", "apply_map_location", "lowest_rank_first",
+    "refuse_unless_weights_only",
     "job_info", "rank_info", "restored_from_memory", "restored_from_disk",
 ]
