@@ -31,11 +31,11 @@ class StoreGone(RuntimeError):
     ended, and the store with it (it never comes back: a job's store is not restarted)."""
 
 
-def own_connection(store: dist.Store, wait_s: float) -> dist.Store:
-    """A connection of the caller's own to the TCP store under ``store``, whose calls, and
-    whose connecting, wait at most ``wait_s``: a store client serves one call at a time, and
-    the training's own calls on the default one (a ``get`` of a key a slow rank has not set
-    yet, NCCL's watchdog) may block it for minutes. Its keys are the store's own, outside the
+def own_connection(store: dist.Store, wait_s: float, connect_s: Optional[float] = None) -> dist.Store:
+    """A connection of the caller's own to the TCP store under ``store``, whose calls wait at
+    most ``wait_s`` and whose connecting at most ``connect_s`` (``wait_s`` where None): a store
+    client serves one call at a time, and the training's own calls on the default one (a
+    ``get`` of a key a slow rank has not set yet, NCCL's watchdog) may block it for minutes. Its keys are the store's own, outside the
     prefixes ``store`` may add (a launcher's per attempt): callers name theirs by the engine's
     run, new at each start. Where the store is no TCP store (a file's), ``store`` itself.
 
@@ -45,13 +45,16 @@ def own_connection(store: dist.Store, wait_s: float) -> dist.Store:
     tcp = tcp_store_under(store)
     if tcp is None:
         return store
+    connect_s = wait_s if connect_s is None else connect_s
     try:
-        socket.create_connection((tcp.host, tcp.port), timeout=wait_s).close()
+        socket.create_connection((tcp.host, tcp.port), timeout=connect_s).close()
     except ConnectionRefusedError as e:
         raise StoreGone(f"{store_name(store)} is gone: nothing listens there any more (the process that served "
                         f"it ended)") from e
-    return dist.TCPStore(tcp.host, tcp.port, is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=wait_s))
+    connection = dist.TCPStore(tcp.host, tcp.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=connect_s))
+    connection.set_timeout(timedelta(seconds=wait_s))
+    return connection
 
 
 class StandingConnection:
@@ -62,13 +65,16 @@ class StandingConnection:
     every request: 16,384 ranks connecting at once would hold the store for seconds, longer than
     a preemption's decision may take.
 
-    Made ahead, it may sit idle for days, and something on the way may drop an idle
-    connection (a proxy's or conntrack's idle timeout): :meth:`take` checks it with one request
-    bounded by :data:`PROBE_S` and takes a new connection where that fails."""
+    Made ahead, where nothing waits on it, its making may take up to :data:`AHEAD_CONNECT_S`
+    (a store that takes it late: busy with a large job's start, or its serving thread waiting
+    on a resolver that dropped the lookup, 5 s by default); the decision's calls keep their own
+    bound. It may sit idle for days, and something on the way may drop an idle connection (a
+    proxy's or conntrack's idle timeout): :meth:`take` checks it with one request bounded by
+    :data:`PROBE_S` and takes a new connection where that fails."""
 
     def __init__(self, job_store: dist.Store, wait_s: float):
         self._job_store = job_store
-        self._connection = own_connection(job_store, wait_s)
+        self._connection = own_connection(job_store, wait_s, AHEAD_CONNECT_S)
 
     def take(self, wait_s: float) -> dist.Store:
         """The connection, each call on it bounded by ``wait_s``, ready for a decision."""
@@ -87,6 +93,7 @@ def taken(connection: Optional[StandingConnection], wait_s: float) -> Optional[d
     return connection.take(wait_s) if connection is not None else None
 
 
+AHEAD_CONNECT_S = 60.0
 PROBE_S = 1.0
 PROBE_REQUESTS = 1  # what taking it asks of the store
 _PROBE_KEY = "ftmem/probe"
