@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import shutil
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -72,14 +73,18 @@ class MegatronLMJob:
         codes = self.start(*extra).wait(TIMEOUT)
         assert codes == [0] * self.world, "\n".join(self.log(r)[-3000:] for r in range(self.world))
 
-    def run_until_paused(self, hook_dir: str) -> None:
+    def run_until_paused(self, hook_dir: str, then: Optional[tuple[Callable[[], bool], str]] = None) -> None:
         """Train until rank 0 has committed version PAUSED and stops there (its copy thread
-        held by the test hook, so that PAUSED is never protected), then SIGKILL every rank."""
+        held by the test hook, so that PAUSED is never protected), and until ``then`` (a
+        condition and what it waits for) holds where given; then SIGKILL every rank."""
         paused = os.path.join(hook_dir, f"paused.rank0.v{PAUSED}")
         hook = {0: {"FTMEM_TEST_HOOK": f"after_commit:pause:rank=0:version={PAUSED}",
                     "FTMEM_TEST_HOOK_DIR": hook_dir}}
         with self.start(rank_env=hook) as run:
             run.wait_for(lambda: os.path.exists(paused), TIMEOUT, f"rank 0 to commit version {PAUSED}")
+            if then is not None:
+                condition, what = then
+                run.wait_for(condition, TIMEOUT, what)
 
     def log(self, rank: int) -> str:
         return LocalJob.read_log(self.logs, rank)
@@ -178,12 +183,21 @@ def assert_same_losses(got: dict, want: dict, resumed_at: int) -> None:
     assert not differ, differ
 
 
-def _train_paused_and_lose(job: MegatronLMJob, tmp_path, lost: list[int]) -> None:
-    job.run_until_paused(str(tmp_path / "hook"))
+def _train_paused_and_lose(job: MegatronLMJob, tmp_path, lost: list[int], then=None) -> None:
+    job.run_until_paused(str(tmp_path / "hook"), then)
     nodes = jobs.status(job.shm_dir, job.job)["jobs"][0]["nodes"]
     assert all(n["protected"] == PAUSED - 1 for n in nodes), nodes
     for node in lost:
         jobs.lose_node(job.shm_dir, job.job, node)
+
+
+def _read(path: str) -> Optional[str]:
+    """The file's text, stripped; None where there is none yet."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
 
 
 @pytest.mark.parametrize("route, layout", [("installer", "tp2-dp2"), ("patch", "tp2-dp2"),
@@ -226,9 +240,10 @@ def test_more_than_m_lost_nodes_fall_back_to_the_checkpoint_written_from_memory(
     ref = reference("tp2-dp2", str(tmp_path / "reference"))
     job = MegatronLMJob(str(tmp_path / "run"), "tp2-dp2", TREES["installer"], shm_dir)
     job.args[job.args.index("--save-interval") + 1] = "4"
-    _train_paused_and_lose(job, tmp_path, lost=[1, 2])
-    with open(os.path.join(job.ckpt, "latest_checkpointed_iteration.txt")) as f:
-        assert f.read().strip() == "4"
+    tracker = os.path.join(job.ckpt, "latest_checkpointed_iteration.txt")
+    # The flush of iteration 4 runs in the background once it is protected: on a loaded
+    # machine, after rank 0 has committed version 5.
+    _train_paused_and_lose(job, tmp_path, lost=[1, 2], then=(lambda: _read(tracker) == "4", "the flush of iteration 4"))
     stock = MegatronLMJob(str(tmp_path / "stock"), "tp2-dp2", TREES["installer"])
     shutil.copytree(job.ckpt, stock.ckpt)
     job.run()
