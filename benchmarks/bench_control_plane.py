@@ -173,7 +173,12 @@ def worker(spec: dict) -> None:
         for rank, store in zip(ranks, list(stores)):
             detectors.append(SimulatedDetector(_connector(store, host, port, wait_s, stores), "the bench's store",
                                                run, rank, world, RANKS_PER_NODE, timeout_s))
-        fail_at = start + spec["steady_s"]
+        # The steady window begins once every worker's detectors beat (the parent says when):
+        # on a loaded machine, starting tens of detectors takes long enough that the first
+        # beats' one-off read of the watched rank's host would fall in a window counted from
+        # the start.
+        print("beating", flush=True)
+        fail_at = float(sys.stdin.readline())
         victim = world - 1
         time.sleep(max(0.0, fail_at - time.monotonic()))
         for d in detectors:
@@ -186,7 +191,7 @@ def worker(spec: dict) -> None:
         missed = [f"rank {d.rank} never heard" for d in detectors if d.rank != victim and d.ended_at is None]
         for d in detectors:
             d.stop()
-        window = (start + spec["warmup_s"], fail_at)
+        window = (fail_at - spec["window_s"], fail_at)
     else:
         spread_s = spec["spread_s"] if path in SPREAD else 0.0
         missed: list[str] = []  # the answers of ranks that decided otherwise
@@ -272,6 +277,13 @@ def _readline(proc: subprocess.Popen, bound: float, who: str) -> str:
     return line
 
 
+def _tell(procs: list[subprocess.Popen], when: float) -> None:
+    """Give every worker a time on the machine's monotonic clock (the start, the failure's)."""
+    for p in procs:
+        p.stdin.write(f"{when}\n")
+        p.stdin.flush()
+
+
 def names_from_files(directory: str) -> list[str]:
     """A command prefix under which a process resolves host names and addresses from
     /etc/hosts alone (a mount namespace of its own, where nsswitch.conf says ``hosts: files``),
@@ -301,12 +313,13 @@ def measure(path: str, world: int, workers: int, detector_timeout_s: float, spre
     try:
         port = int(_readline(store, time.monotonic() + 60, "the store"))
         run, share = uuid.uuid4().hex[:8], -(-world // workers)
-        warmup_s = 2 * interval_s(detector_timeout_s)  # every rank's detector started and beating
-        steady_s = warmup_s + 3 * interval_s(detector_timeout_s)
+        # The detector's: after every rank's detector started, two beats (each has read its
+        # watched rank's host), then the window of steady beats whose requests count.
+        warmup_s, window_s = 2 * interval_s(detector_timeout_s), 3 * interval_s(detector_timeout_s)
         for first in range(0, world, share):
             spec = {"host": "127.0.0.1", "port": port, "world": world, "path": path, "run": run,
                     "ranks": [first, min(world, first + share)], "detector_timeout_s": detector_timeout_s,
-                    "steady_s": steady_s, "warmup_s": warmup_s, "spread_s": spread_s}
+                    "window_s": window_s, "spread_s": spread_s}
             procs.append(subprocess.Popen(me + ["--worker", json.dumps(spec)], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True))
         bound = time.monotonic() + START_WAIT_S
@@ -314,10 +327,13 @@ def measure(path: str, world: int, workers: int, detector_timeout_s: float, spre
             assert _readline(p, bound, f"worker {i} (connecting its ranks)").strip() == "ready"
         start = time.monotonic() + 0.5
         store_cpu, machine_cpu = _cpu_s(store.pid), _machine_cpu_s()
-        for p in procs:
-            p.stdin.write(f"{start}\n")
-            p.stdin.flush()
-        bound = time.monotonic() + steady_s + spread_s + 3 * detector_timeout_s + END_WAIT_S
+        _tell(procs, start)
+        if path == "detector":
+            bound = time.monotonic() + START_WAIT_S
+            for i, p in enumerate(procs):
+                assert _readline(p, bound, f"worker {i} (starting its detectors)").strip() == "beating"
+            _tell(procs, time.monotonic() + warmup_s + window_s)
+        bound = time.monotonic() + warmup_s + window_s + spread_s + 3 * detector_timeout_s + END_WAIT_S
         parts = [json.loads(_readline(p, bound, f"worker {i} (running {path})")) for i, p in enumerate(procs)]
         elapsed = time.monotonic() - start
         store_cpu, machine_cpu = _cpu_s(store.pid) - store_cpu, _machine_cpu_s() - machine_cpu
