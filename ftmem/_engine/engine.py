@@ -158,9 +158,11 @@ class SnapshotEngine:
                 column = ColumnCoder(self.topology, rank)
                 column.pg = make_column_groups(self.topology, rank, interface)
         self._dp_shard = len(dp_ranks) > 1 and self.config.dp_shard in ("on", "auto")
-        #: this rank's DP replicas and their gloo group (adapters use it too: one group per DP group)
+        #: this rank's DP replicas and their gloo group, the training thread's (adapters use it too:
+        #: one group per DP group)
         self.dp_peers = DataParallelPeers(ranks=dp_ranks, group=dp_group if len(dp_ranks) > 1 else None,
                                           sharded=self._dp_shard)
+        self._flush_peers = self.dp_peers  # the flush's gather's (a group of its own: persist_with)
         #: a gloo group of the whole job, apart from the training groups (None on one rank)
         self.job_group = gloo
         self._column = column
@@ -290,9 +292,19 @@ class SnapshotEngine:
 
     def persist_with(self, flusher: Flusher) -> None:
         """Flush protected versions through ``flusher`` (see :mod:`ftmem._disk.persist`): those
-        saved with ``persist=True`` and every ``flusher.interval``-th one."""
+        saved with ``persist=True`` and every ``flusher.interval``-th one. Collective where the
+        job keeps DP-sharded state (the flush's DP group)."""
+        # The protection thread gathers a DP-sharded version back for its flush, on a DP group of
+        # its own: the training thread's collectives on dp_peers.group (an adapter's at each save)
+        # would otherwise meet that gather in another order on each rank, a hang.
+        peers = self.dp_peers
+        if peers.group is not None and peers.sharded:
+            open_files.make_room(open_files.needed([len(peers.ranks)], 0), "the persistent tier's DP group")
+            peers = dataclasses.replace(peers, group=make_dp_groups(self.layout, self.rank, self.network_interface))
+        self._flush_peers = peers
         self._committer.handover = FlushHandOver(
-            flusher, lambda record, slot_bytes: self._restorer.copy_out(record, slot_bytes, torch.device("cpu")))
+            flusher, lambda record, slot_bytes: self._restorer.copy_out(record, slot_bytes, torch.device("cpu"),
+                                                                        peers=self._flush_peers))
 
     def wait_protected(self) -> None:
         """Until every save so far is protected by every rank, or passed over for a newer one
@@ -471,9 +483,10 @@ class SnapshotEngine:
         Left for interpreter shutdown, those threads end, or drop a collective's tensor (pytorch/
         pytorch#190489), while Python is finalizing, which now and then aborted a rank at its
         clean exit ("terminate called without an active exception")."""
-        destroy_groups(self.job_group, self.dp_peers.group, getattr(self._column, "pg", None))
+        destroy_groups(self.job_group, self.dp_peers.group, getattr(self._column, "pg", None),
+                       self._flush_peers.group if self._flush_peers is not self.dp_peers else None)
         self.job_group = None
-        self.dp_peers = dataclasses.replace(self.dp_peers, group=None)
+        self.dp_peers = self._flush_peers = dataclasses.replace(self.dp_peers, group=None)
         self._restorer.forget_groups(self.dp_peers)
         self._committer.forget_groups()
         if self._column is not None:

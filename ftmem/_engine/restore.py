@@ -307,24 +307,26 @@ class Restorer:
                 f"rank's log names the damaged files it dropped). Fall back to a disk checkpoint.")
 
     def copy_out(self, record: CommitRecord, slot_bytes: torch.Tensor, device: torch.device,
-                 times: Optional[RestoreTimes] = None, saved: Any = None, into: Any = None) -> Any:
+                 times: Optional[RestoreTimes] = None, saved: Any = None, into: Any = None,
+                 peers: Optional[DataParallelPeers] = None) -> Any:
         """The whole state of a version, in private memory on ``device`` (into the tensors
         ``into`` names for the version's ``saved`` shape, where they fit:
         :mod:`ftmem._state.destinations`); a DP-sharded one is
-        gathered back from the replicas (collective over the DP group). With ``times``
+        gathered back from the replicas (collective over the DP group: ``peers``', the
+        flush's, else the restore's). With ``times``
         (restore, at start) the gather runs in a thread of its own while this one copies
         the rank's unique bytes out of the slot, and both are timed into ``times``. The flush
         does not: it may run at interpreter exit, where no new thread can start."""
         dests = destinations(saved, record.plan.entries, into)
-        plan, began = record.plan, time.perf_counter()
+        plan, began, peers = record.plan, time.perf_counter(), peers or self.peers
         if not plan.shard:
             tensors = read_from_slot(slot_bytes, plan, device, into=dests)
         elif times is None:
             tensors = read_from_slot(slot_bytes, plan, device,
-                                     lambda: gather_replicated(plan, slot_bytes, self.peers, dests), dests)
+                                     lambda: gather_replicated(plan, slot_bytes, peers, dests), dests)
         else:
             with ThreadPoolExecutor(1, thread_name_prefix="ftmem-gather", initializer=threads.block_signals) as pool:
-                gathered = pool.submit(gather_replicated, plan, slot_bytes, self.peers, dests)
+                gathered = pool.submit(gather_replicated, plan, slot_bytes, peers, dests)
 
                 def wait_for_gather() -> torch.Tensor:
                     waited = time.perf_counter()

@@ -171,7 +171,9 @@ class AdapterRuntime:
 
     @property
     def dp_group(self) -> Optional[dist.ProcessGroup]:
-        """A gloo group of this rank's DP replicas (None without replicas)."""
+        """A gloo group of this rank's DP replicas (None without replicas), the training
+        thread's: ftmem's own threads never use it, so an adapter may make collectives on it at
+        any save, in the same order on every replica."""
         return self._engine.dp_peers.group
 
     @property

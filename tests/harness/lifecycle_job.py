@@ -3,7 +3,7 @@ rank saves a replicated tensor per step, protected, and ends the way ``--end`` s
 
     python -m tests.harness.lifecycle_job --out DIR --steps N --end WAY [--end-of-rank R=WAY ...] [--persist DIR]
         [--persist-interval N] [--persist-keep N] [--persist-fsync {on,off}] [--no-failure-detection] [--destroys-group] [--load-version V] [--ranks-per-node R] [--runtimes N]
-        [--restore-into {rank-0,every-rank}] [--load-while-saving] [--other-worlds]
+        [--restore-into {rank-0,every-rank}] [--load-while-saving] [--other-worlds] [--dp-collective-each-save]
 
 ``--end close`` closes the runtime itself, keeping the memory, before it returns; ``--end
 hang`` waits in ``signal.pause()``, its last version protected, as a rank stuck in a collective
@@ -26,6 +26,10 @@ tensor into (``AdapterRuntime.restore(plan, into=...)``), on rank 0 only or on e
 its protection still in flight (DeepSpeed's rollback mid-run does so); rank 1 first lets
 its save thread reach the job-wide agreement, so that the ranks start the load's
 collectives in different orders against their save threads' unless ftmem waits.
+``--dp-collective-each-save`` makes an all-reduce on the runtime's DP group right after each
+save, its protection and flush in flight (Megatron's adapter does so at every save); rank 1
+first waits for the flush of that save to be on disk, so that rank 0's all-reduce would meet
+rank 1's flush's gather of the DP-sharded state if the two shared a group.
 ``--other-worlds`` lets the restore adopt a version that a job on another world saved
 (as DeepSpeed's adapter does), and refuses a fresh start where memory could not serve.
 """
@@ -107,6 +111,7 @@ def main() -> None:
     p.add_argument("--restore-into", choices=("rank-0", "every-rank"), default=None)
     p.add_argument("--load-while-saving", action="store_true")
     p.add_argument("--other-worlds", action="store_true")
+    p.add_argument("--dp-collective-each-save", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -165,6 +170,8 @@ def train(args, world: int) -> None:
         w = torch.full((args.elements,), float(step))  # the same on every rank: each snapshots half (DP sharding)
         for each in [runtime, *others]:
             each.save({"w": w}, step, replicated=lambda t: t is w)
+            if args.dp_collective_each_save:
+                dp_collective(each, step, args.persist)
             if not (args.load_while_saving and step == args.steps):
                 each.wait_flushed()  # every version protected, and each interval-th on disk with --persist
     print(f"rank {dist.get_rank()}: trained to step {args.steps}", flush=True)
@@ -198,6 +205,19 @@ def end(way: str, runtime: AdapterRuntime) -> None:
         thread.start()
         thread.join()
         print(f"rank {rank}: a thread of its own called sys.exit(3) and ended", flush=True)
+
+
+def dp_collective(runtime: AdapterRuntime, step: int, persist: str) -> None:
+    rank = dist.get_rank()
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not any(c["version"] == step for c in flushed(persist)):
+            if time.monotonic() > deadline:
+                sys.exit(f"rank 1: the flush of step {step} was not on disk within 60 s")
+            time.sleep(0.05)
+    summed = torch.tensor([step * 10 + rank])
+    dist.all_reduce(summed, group=runtime.dp_group)
+    print(f"rank {rank}: step {step}'s all-reduce on the DP group: {summed.item()}", flush=True)
 
 
 def load_while_saving(runtime: AdapterRuntime) -> None:

@@ -22,7 +22,7 @@ from ftmem._shm import jobs
 from ftmem._engine.elastic import _Head, line_of_jobs
 from ftmem._shm.slots import VersionRef
 from ftmem._common.identity import job_root
-from ftmem._disk.persist import MANIFEST, STAGING_MARK, save_atomically
+from ftmem._disk.persist import MANIFEST, STAGING_MARK, flushed, save_atomically
 from ftmem._shm.slots import RankStore, write_atomically
 from ftmem._shm.smp_client import running_smp, stop_smp
 
@@ -240,6 +240,21 @@ def test_a_load_while_a_save_is_protected_waits_for_the_save_thread(shm_dir, tmp
         assert loading.wait(TIMEOUT) == [0, 0], loading.tails()
     for rank in range(2):
         assert f"rank {rank}: loaded version 2: w = [2.0] x 1000" in loading.log(rank), loading.log(rank)[-3000:]
+
+
+def test_a_collective_on_the_dp_group_after_a_save_does_not_meet_the_flush_s_gather(shm_dir, tmp_path):
+    """The protection thread gathers a DP-sharded version back from the replicas for its
+    flush. It did so on the DP group that adapters use on the training thread (Megatron's
+    adapter all-reduces on it at every save), so the two collectives met in another order on
+    each rank: a Megatron job hung in CI. Here rank 0 all-reduces on the DP group right after
+    each save, while rank 1 first waits for that save's flush to be on disk."""
+    persist = tmp_path / "persist"
+    done = run(shm_dir, tmp_path / "out", "--steps", "3", "--persist", str(persist), "--dp-collective-each-save")
+    assert done.wait(TIMEOUT) == [0, 0], done.tails()
+    for rank in range(2):
+        for step in range(1, 4):
+            assert f"rank {rank}: step {step}'s all-reduce on the DP group: {step * 20 + 1}" in done.log(rank)
+    assert [c["version"] for c in flushed(str(persist))] == [1, 2, 3]
 
 
 def test_a_finish_with_its_newest_version_on_disk_frees_memory(shm_dir, tmp_path):
