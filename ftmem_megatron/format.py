@@ -85,7 +85,12 @@ class ModelStates:
     reshaped), its tensors view the same elements as then, each of the kept tensors among them
     (a parameter replaced, or a state-dict hook that makes new tensors, fails it), and each
     value that is not a tensor is a module's ``_extra_state``, which is asked for again (it may
-    change at every step, as Transformer Engine's FP8 scales do)."""
+    change at every step, as Transformer Engine's FP8 scales do).
+
+    Each kept tensor is replaced, at every save, by the sharded state's tensor that views the
+    same elements: the snapshot's skeleton then meets one object twice, which pickling answers
+    from its memo, instead of thousands of views it must find to be aliases (about 5 ms of
+    each save call at 80 layers)."""
 
     def __init__(self) -> None:
         self._kept: Optional[_KeptModelState] = None
@@ -96,13 +101,16 @@ class ModelStates:
         (:func:`~ftmem_megatron.sharded_state.to_snapshot`)."""
         held = elements([placed[path] for path in model_places])
         kept = self._kept
-        if kept is not None and kept.places == model_places and kept.held == held:
-            for entries, key, module in kept.extra_states:
-                entries[key] = module.get_extra_state()
-            return kept.entries
-        entries = model_state(model)
-        self._kept = _kept(model, entries, model_places, held)
-        return entries
+        if kept is None or kept.places != model_places or kept.held != held:
+            entries = model_state(model)
+            kept = self._kept = _kept(model, entries, model_places, held)
+            if kept is None:
+                return entries
+        for entries, key, module in kept.extra_states:
+            entries[key] = module.get_extra_state()
+        for entries, key, path in kept.tensors:
+            entries[key] = placed[path]
+        return kept.entries
 
 
 class _KeptModelState(NamedTuple):
@@ -110,22 +118,30 @@ class _KeptModelState(NamedTuple):
     held: list  # what its tensors viewed then (ftmem.adapter.elements)
     entries: dict  # model_state(model)'s result, each tensor among those
     extra_states: list  # (entries of a chunk, key, module) of each _extra_state, asked again at each save
+    tensors: list  # (entries of a chunk, key, path) of each tensor: the sharded state's at path, put in at each save
 
 
 def _kept(model: list, entries: dict, places: dict, held: list) -> Optional[_KeptModelState]:
     """``entries`` (``model_state(model)``), kept where each tensor views one of the elements
-    ``held`` and each other value is a module's ``_extra_state``; else None."""
-    found, extra_states = [], []
+    ``held`` (those of the tensors at ``places``' paths, in order) and each other value is a
+    module's ``_extra_state``; else None."""
+    found, slots, extra_states = [], [], []
     for name, chunk in zip(model_keys(len(model)), model):
         for key, value in entries[name].items():
             if isinstance(value, torch.Tensor):
                 found.append(value)
+                slots.append((entries[name], key))
                 continue
             module = _extra_state_owner(chunk, key)
             if module is None:
                 return None
             extra_states.append((entries[name], key, module))
-    return _KeptModelState(places, held, entries, extra_states) if set(held).issuperset(elements(found)) else None
+    path_of = dict(zip(held, places))
+    paths = [path_of.get(viewed) for viewed in elements(found)]
+    if None in paths:
+        return None
+    return _KeptModelState(places, held, entries, extra_states,
+                           [(chunk_entries, key, path) for (chunk_entries, key), path in zip(slots, paths)])
 
 
 def _extra_state_owner(chunk: torch.nn.Module, key: str) -> Optional[torch.nn.Module]:

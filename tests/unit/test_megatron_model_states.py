@@ -75,10 +75,14 @@ def step(model: Model) -> None:
 
 
 def test_while_only_values_change_the_walk_runs_once_and_each_save_holds_the_current_values():
+    """Each tensor entry is then the sharded state's own tensor object (here the module's), which
+    the snapshot's skeleton meets again, not a view of it to be found an alias."""
     model, states = Model(), ModelStates()
     for _ in range(3):
         entries = save(states, model)
         assert_current(entries, model)
+        own = {key: value for key, value in model.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)}
+        assert all(entries[key] is value for key, value in own.items())
         step(model)
     assert model.walks == 1
     assert entries["scaled._extra_state"] == {"steps": 2}
