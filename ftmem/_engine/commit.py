@@ -245,6 +245,7 @@ class Committer:
         self._in_round = False
         self._unprotected = 0  # saves done with before the job protected them
         self._failure: Optional[BaseException] = None  # of the protection thread: raised at the next save
+        self._failed_copy: Optional[BaseException] = None  # the first save's whose copy failed: raised once
         self._stopping = False
         self._skipped_before = False
         self._lag_log = _LagLog()
@@ -313,6 +314,16 @@ class Committer:
         an unknown state: the engine cannot go on)."""
         if self._failure is not None:
             raise self._failure
+
+    def raise_failed_copy(self) -> None:
+        """The error of the first save whose copy or commit failed since the last call, once: a
+        commit marker fails after the handle is reusable, so the training's wait for the copy may
+        have returned before it did, and nothing else would tell it (a full file system's saves
+        were all lost, and the job ended without a word)."""
+        with self._cv:
+            failed, self._failed_copy = self._failed_copy, None
+        if failed is not None:
+            raise failed
 
     def drain(self) -> None:
         """Until every save so far is copied, and protected or passed over, and any flush it
@@ -391,10 +402,12 @@ class Committer:
         try:
             self._copy_into(save, slot)
         except BaseException as e:
+            # Files gone under the copy mean `ftmem clean`: say so, not a bare OSError.
+            error = self.memory.removed_error() or e
             with self._cv:
                 save.advance(State.FAILED)
-            # Files gone under the copy mean `ftmem clean`: say so, not a bare OSError.
-            save.handle._fail(self.memory.removed_error() or e)
+                self._failed_copy = self._failed_copy or error
+            save.handle._fail(error)
         finally:
             save.tensors = None
             with self._cv:

@@ -218,6 +218,8 @@ class SnapshotEngine:
              files: Optional[Written] = None) -> SaveHandle:
         """Start snapshotting ``state`` as ``version``; returns without waiting for the copy,
         and never for the protection of this or an earlier save (:mod:`ftmem._engine.commit`).
+        Raises the protection thread's error, and, once, that of an earlier save whose copy or
+        commit failed (a full file system refusing its marker, say), which its handle holds too.
 
         ``replicated(t)`` says whether tensor ``t`` is identical on every replica of
         this rank's DP group (e.g. module weights under ZeRO 0-2); with DP sharding
@@ -246,6 +248,7 @@ class SnapshotEngine:
         if persist and self.flusher is None:
             raise FtmemError("save(persist=True) needs a persistent tier: call persist_with first.")
         self._committer.raise_failure()
+        self._committer.raise_failed_copy()
         exit_status.carried_on()
         with modes_off():  # a mode the training has on would make each look at each tensor a Python call
             return self._save(state, version, replicated, persist, written_in_forward, files)

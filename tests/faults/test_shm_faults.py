@@ -4,6 +4,7 @@ filled up by another process while the job trains."""
 import os
 import re
 import signal
+import threading
 
 import pytest
 
@@ -18,17 +19,36 @@ WORLD = 2
 MIRRORED = {"ec": {"k": 1, "m": 1}}
 
 
-def fill(path: str) -> str:
-    """Write a file into ``path`` until its file system refuses a byte more; the file's path."""
-    filler = os.path.join(path, "filler")
-    with open(filler, "wb", buffering=0) as f:
+class Filler:
+    """A writer that fills ``path``'s file system and goes on taking whatever room is freed there
+    until :meth:`stop`, as a runaway writer beside the job does. Filled once only, the room the
+    job freed afterwards (a marker replaced) let its next marker through, and which write met the
+    full file system depended on the timing (a CI run's job never met it)."""
+
+    def __init__(self, path: str):
+        self.path = os.path.join(path, "filler")
+        self._file = open(self.path, "wb", buffering=0)
+        self._stopped = threading.Event()
+        self._fill()
+        self._thread = threading.Thread(target=self._keep_full, name="filler", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
         for chunk in (1 << 16, 1 << 12, 1):
             try:
                 while True:
-                    f.write(b"\0" * chunk)
+                    self._file.write(b"\0" * chunk)
             except OSError:
                 pass
-    return filler
+
+    def _keep_full(self) -> None:
+        while not self._stopped.wait(0.001):
+            self._fill()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+        self._file.close()
 
 
 @pytest.mark.fault("/dev/shm filling up", phase="during the copy", framework="DeepSpeed ZeRO-1",
@@ -36,12 +56,13 @@ def fill(path: str) -> str:
                           "full file system, never a SIGBUS, and what was held stays")
 def test_shared_memory_filled_by_another_process_mid_run_stops_the_job_clearly_and_loses_nothing(
         tmp_path, fault_clock):
-    """The copy of version 3 is held on rank 0 while another process fills the job's tmpfs:
-    the slots' pages were reserved when they grew, but the version's marker is a new file, and
-    it finds no room. The job stops with ShmBudgetError saying the file system is full and that
-    something else filled it (not an OSError of a marker's temporary file, nor a SIGBUS), the
-    job keeps its newest version, and once the space is freed the relaunch resumes from it
-    bitwise as DeepSpeed's default engine."""
+    """The copy of version 3 is held on rank 0 while another process fills the job's tmpfs and
+    keeps it full: the slots' pages were reserved when they grew, but a version's markers are new
+    files, and the first of them written after that finds no room (rank 0's commit marker of
+    version 3, or, where a protection was still running, a parity marker). The job stops with
+    ShmBudgetError saying the file system is full and that something else filled it (not an
+    OSError of a marker's temporary file, nor a SIGBUS), the job keeps its newest version, and
+    once the space is freed the relaunch resumes from it bitwise as DeepSpeed's default engine."""
     ref = reference("zero1.json", WORLD, str(tmp_path / "reference"))
     hooks = tmp_path / "hooks"
     hooks.mkdir()
@@ -50,23 +71,26 @@ def test_shared_memory_filled_by_another_process_mid_run_stops_the_job_clearly_a
         hold = {0: {"FTMEM_TEST_HOOK": "mid_copy:hold:rank=0:version=3", "FTMEM_TEST_HOOK_DIR": str(hooks)}}
         with job.start(rank_env=hold) as run:
             run.wait_for(lambda: (hooks / "paused.rank0.v3").exists(), TIMEOUT, "the copy of version 3")
-            filler = fill(shm)
+            filler = Filler(shm)
             fault_clock.injected()
             (hooks / "resume.rank0.v3").touch()
-            codes = run.wait(TIMEOUT)
+            try:
+                codes = run.wait(TIMEOUT)
+            finally:
+                filler.stop()
             fault_clock.detected()
         # Whichever rank meets the full file system first stops the job with it; the other may end
         # first in a collective that rank left (rank 0's copy error reaches its training thread at a
         # save after the step, while rank 1, not held, may hit it at its next copy first).
         assert 1 in codes and -signal.SIGBUS not in codes, run.tails()
         said = "\n".join(job.log(rank) for rank in range(WORLD))
-        assert re.search(r"ShmBudgetError: shared memory full: rank \d could not write version \d+'s commit marker "
-                         rf"\([\d.]+ KiB\) into {re.escape(shm)}/\S+: its file system has [\d.]+ \w?i?B free of "
+        assert re.search(r"ShmBudgetError: shared memory full: rank \d could not write version \d+'s "
+                         rf"(commit|parity) marker \([\d.]+ KiB\) into {re.escape(shm)}/\S+: its file system has [\d.]+ \w?i?B free of "
                          r"64(\.0)? MiB, and ftmem's slots were reserved when they grew, so something else filled it",
                          said), said[-3000:]
         kept = int(re.search(r"keeps its newest version \((\d+)\) in shared memory", said).group(1))
         assert kept >= 2
-        os.unlink(filler)
+        os.unlink(filler.path)
         assert job.run("--load") == [0] * WORLD, job.log(0)[-4000:]
         fault_clock.stepped()
     for rank in range(WORLD):
