@@ -161,9 +161,11 @@ class FtmemCheckpointEngine(CheckpointEngine):
             write_stub(path, file_key(path), saved, self._entry_pickles(os.path.basename(path), metadata.get(path, {})),
                        (identity.world_size, identity.ranks_per_node), durable=False)
             stubs(path)
+        # No predicate where nothing is written in the forward (no buffers): the core asks it of every tensor.
         runtime.save({"files": {file_key(path): state_dict for path, state_dict in files.items()}, "tag": info.tag},
                      version, replicated=lambda t: id(t) in replicated,
-                     written_in_forward=lambda t: id(t) in written_in_forward, files=stubs)
+                     written_in_forward=(lambda t: id(t) in written_in_forward) if written_in_forward else None,
+                     files=stubs)
         return True
 
     def load(self, path: str, map_location=None):

@@ -261,10 +261,12 @@ class MegatronCheckpointer:
                 path: place for path, place in places.items() if path.startswith(_MODEL)}, placed),
         }
         # The next forward may write the modules' buffers in place before the step (the
-        # router's token counts, normalization statistics): copied during this call.
+        # router's token counts, normalization statistics): copied during this call. No
+        # predicate where the model has none: the core would ask it of every tensor.
         buffers = {b.untyped_storage().data_ptr() for chunk in unwrap_model(model) for b in chunk.buffers()}
         return self.runtime.save(state, iteration, replicated=lambda t: id(t) in replicated, persist=persistent,
-                                 written_in_forward=lambda t: t.untyped_storage().data_ptr() in buffers)
+                                 written_in_forward=(lambda t: t.untyped_storage().data_ptr() in buffers)
+                                 if buffers else None)
 
     def _describe(self, data, shared: list, replicas: int) -> None:
         """One line at the first save: what this rank snapshots and how much of it is
