@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -13,10 +14,38 @@ import time
 from typing import Callable, Optional, Sequence
 
 
+# The ports the kernel hands out by itself: to every bind to port 0 (each gloo group's listener)
+# and as the local port of every outgoing connection.
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_PICK = random.SystemRandom()  # not the random module's state, which a test or a job may seed alike
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, for a job's store, picked below the ephemeral range. A port
+    found by binding to port 0 and closed again is an ephemeral one: another job's gloo
+    listener, binding to port 0 in the seconds before this job's rank 0 listens there, could
+    take it (EADDRINUSE, as a CI run failed). Below the range only another such pick can; each
+    candidate is checked by binding it."""
+    candidates = _below_ephemeral_range()
+    for port in _PICK.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+            return port
+    with socket.socket() as s:  # no ports below the range here: one the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _below_ephemeral_range() -> range:
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        return range(0)
+    return range(max(1024, low // 2), low)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
