@@ -80,9 +80,10 @@ class Snapshot(NamedTuple):
 
 
 def to_snapshot(sharded_state: Any) -> Snapshot:
-    """``sharded_state``'s local data and places. Factories are applied in place, as
-    megatron-core does before saving; non-persistent objects are left out."""
-    apply_factories(sharded_state)
+    """``sharded_state``'s local data and places. A factory is built where the walk meets it
+    (what megatron-core's ``apply_factories`` does before saving, in a walk of the whole
+    state of its own: 1.5 ms of a save call at 3,860 tensors, most states holding no
+    factory); non-persistent objects are left out."""
     places: dict[str, tuple] = {}
     placed: dict[str, torch.Tensor] = {}
 
@@ -93,6 +94,8 @@ def to_snapshot(sharded_state: Any) -> Snapshot:
             return node.data
         if isinstance(node, ShardedObject):
             return node.data
+        if isinstance(node, ShardedTensorFactory):
+            return map_tree(node.build(), local, path)  # in its place, as apply_factories puts it
         if isinstance(node, LocalNonpersistentObject):
             return None  # restored from the job's own template
         return node

@@ -6,6 +6,7 @@ offset, and a piece they do not cover exactly once is refused, never filled with
 import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
 from ftmem import LayoutMismatch
 from ftmem_megatron.sharded_state import from_snapshot, pieces_by_key, to_snapshot
@@ -80,6 +81,25 @@ def test_a_snapshot_records_its_places_as_plain_tuples_and_one_an_older_ftmem_pi
         assert all(torch.equal(e["exp_avg"], BUCKET[a:b]) for e, (a, b) in zip(filled["param_state"], [(0, 5), (5, 10)]))
         with pytest.raises(LayoutMismatch, match=r"saved as Place\(key="):
             from_snapshot(rank_state([(0, 4), (4, 10)], empty=True), data, recorded)
+
+
+def gated_fc1(weight: torch.Tensor) -> dict:
+    """A gated MLP's fc1 weight as megatron-core's sharded state dict holds it: a factory that
+    saves its two halves as two pieces of one global tensor and joins them again at a load."""
+    whole = ShardedTensor.from_rank_offsets("decoder.mlp.linear_fc1.weight", weight, replica_id=(0, 0, 0))
+    return {"model": {"linear_fc1": {"weight": apply_swiglu_sharded_factory(whole, ())}}}
+
+
+def test_a_factory_is_snapshotted_as_what_it_builds_and_joined_again_at_the_restore():
+    weight = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    data, places, placed = to_snapshot(gated_fc1(weight))
+    halves = ["model/linear_fc1/weight/0", "model/linear_fc1/weight/1"]
+    assert sorted(places) == halves
+    assert [places[p][2] for p in halves] == [(0, 0), (3, 0)]  # each half's global offset
+    assert torch.equal(placed[halves[0]], weight[:3]) and torch.equal(placed[halves[1]], weight[3:])
+    assert [id(t) for t in data["model"]["linear_fc1"]["weight"]] == [id(placed[p]) for p in halves]
+    restored = from_snapshot(gated_fc1(torch.empty(6, 4)), data, places)
+    assert torch.equal(restored["model"]["linear_fc1"]["weight"], weight)
 
 
 def test_a_list_of_plain_values_of_another_length_is_refused_even_when_joining():
