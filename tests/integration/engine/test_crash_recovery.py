@@ -37,20 +37,22 @@ def test_killed_between_saves(shm_dir, tmp_path, reference):
                    expect="resumes bitwise from memory: the newest version both ranks hold, older than the one torn on "
                           "rank 1")
 def test_killed_in_the_middle_of_a_copy_never_resumes_from_a_mix(shm_dir, tmp_path, reference):
-    """Rank 1 is paused halfway through copying version 6 while rank 0 commits 6 and
-    goes on (to 7, as far as the training's collectives let it): the job must agree on
-    the newest version that both ranks hold, older than 6."""
+    """Rank 1 is paused halfway through copying version 6 while rank 0 commits 6: the job
+    must agree on the newest version that both ranks hold, older than 6. Rank 0's copy thread
+    is paused right after its commit of 6: going on, its next save would take the newest
+    copy's slot, and a kill while that copy runs would leave rank 0 without 6 as well."""
     job, hooks = TrainJob(shm_dir, tmp_path / "out", WORLD), str(tmp_path / "hooks")
     os.makedirs(hooks)
-    pause = {1: {"FTMEM_TEST_HOOK": "mid_copy:pause:rank=1:version=6", "FTMEM_TEST_HOOK_DIR": hooks}}
+    pause = {1: {"FTMEM_TEST_HOOK": "mid_copy:pause:rank=1:version=6", "FTMEM_TEST_HOOK_DIR": hooks},
+             0: {"FTMEM_TEST_HOOK": "after_commit:pause:rank=0:version=6", "FTMEM_TEST_HOOK_DIR": hooks}}
     with job.start(rank_env=pause) as run:
-        run.wait_for(lambda: os.path.exists(os.path.join(hooks, "paused.rank1.v6")), TIMEOUT, "rank 1 to pause")
-        # Rank 0 may already have replaced 6 with 7 in its slot of the newest copy.
-        run.wait_for(lambda: max(job.held(0), default=0) >= 6, TIMEOUT, "rank 0 to commit version 6")
+        for rank in (1, 0):
+            run.wait_for(lambda: os.path.exists(os.path.join(hooks, f"paused.rank{rank}.v6")), TIMEOUT,
+                         f"rank {rank} to pause")
         run.kill(0)
         run.kill(1)
     both = set(job.held(0)) & set(job.held(1))
-    assert max(job.held(0)) >= 6 and 6 not in job.held(1) and both and max(both) < 6, (job.held(0), job.held(1))
+    assert 6 in job.held(0) and 6 not in job.held(1) and both and max(both) < 6, (job.held(0), job.held(1))
     job.restart_and_check(reference, expect_version=max(both))
 
 
