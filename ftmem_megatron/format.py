@@ -125,12 +125,12 @@ def _kept(model: list, entries: dict, places: dict, held: list) -> Optional[_Kep
     """``entries`` (``model_state(model)``), kept where each tensor views one of the elements
     ``held`` (those of the tensors at ``places``' paths, in order) and each other value is a
     module's ``_extra_state``; else None."""
-    found, slots, extra_states = [], [], []
+    found, found_at, extra_states = [], [], []
     for name, chunk in zip(model_keys(len(model)), model):
         for key, value in entries[name].items():
             if isinstance(value, torch.Tensor):
                 found.append(value)
-                slots.append((entries[name], key))
+                found_at.append((entries[name], key))
                 continue
             module = _extra_state_owner(chunk, key)
             if module is None:
@@ -141,7 +141,7 @@ def _kept(model: list, entries: dict, places: dict, held: list) -> Optional[_Kep
     if None in paths:
         return None
     return _KeptModelState(places, held, entries, extra_states,
-                           [(chunk_entries, key, path) for (chunk_entries, key), path in zip(slots, paths)])
+                           [(chunk_entries, key, path) for (chunk_entries, key), path in zip(found_at, paths)])
 
 
 def _extra_state_owner(chunk: torch.nn.Module, key: str) -> Optional[torch.nn.Module]:

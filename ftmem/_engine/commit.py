@@ -245,7 +245,7 @@ class Committer:
         self._in_round = False
         self._unprotected = 0  # saves done with before the job protected them
         self._failure: Optional[BaseException] = None  # of the protection thread: raised at the next save
-        self._failed_copy: Optional[BaseException] = None  # the first save's whose copy failed: raised once
+        self._failed_copy: Optional[BaseException] = None  # the error of the first failed copy: raised once
         self._stopping = False
         self._skipped_before = False
         self._lag_log = _LagLog()

@@ -95,7 +95,7 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 def _same_shapes_and_dtypes(last: tuple, now: tuple) -> bool:
     """Whether two saves' tensors (their elements, :func:`ftmem._state.serialize.elements`) have
     the same shape and dtype, position by position. Most are the same tensors, whose elements
-    are equal; the few that are new at every save (the RNG's states, a scheduler's tensors) are
+    are equal; the few that are new at every save (the RNG's states) are
     compared by shape and dtype alone. One pass in C over all of them: comparing shapes and
     dtypes of all (two more passes) took a save call of 3,860 tensors a millisecond."""
     if len(last) != len(now):
