@@ -130,6 +130,11 @@ class RankIdentity:
         return self.world_size // self.ranks_per_node
 
     @property
+    def node_ranks(self) -> list[int]:
+        """The ranks of this rank's node."""
+        return list(range(self.node * self.ranks_per_node, (self.node + 1) * self.ranks_per_node))
+
+    @property
     def local_rank(self) -> int:
         return self.rank % self.ranks_per_node
 

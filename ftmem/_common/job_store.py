@@ -5,6 +5,7 @@ store; under the deepspeed launcher and plain ``env://`` the process of rank 0 d
 store ends with that process."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -76,6 +77,11 @@ class StandingConnection:
         self._job_store = job_store
         self._connection = own_connection(job_store, wait_s, AHEAD_CONNECT_S)
 
+    @functools.cached_property
+    def serves_the_store(self) -> bool:
+        """This process serves the store, which ends with it (read off /proc once, where asked)."""
+        return served_here(self._job_store)
+
     def take(self, wait_s: float) -> dist.Store:
         """The connection, each call on it bounded by ``wait_s``, ready for a decision."""
         try:
@@ -88,15 +94,16 @@ class StandingConnection:
         return self._connection
 
 
-def taken(connection: Optional[StandingConnection], wait_s: float) -> Optional[dist.Store]:
-    """``connection.take(wait_s)``, or None where there is none (a job of one rank)."""
-    return connection.take(wait_s) if connection is not None else None
-
-
 AHEAD_CONNECT_S = 60.0
 PROBE_S = 1.0
 PROBE_REQUESTS = 1  # what taking it asks of the store
 _PROBE_KEY = "ftmem/probe"
+
+
+def no_answer(e: Exception) -> str:
+    """Why a decision of the job's failed where its store failed under it (its first line:
+    not torch's C++ frames)."""
+    return f"the job's store did not answer ({str(e).splitlines()[0]})"
 
 
 def store_name(store: dist.Store) -> str:

@@ -38,7 +38,7 @@ from ftmem._common import compat, exit_status, open_files
 from ftmem._common.deprecation import Renamed
 from ftmem._common.agreement import unanimous
 from ftmem._common.collective import NOTE_AFTER_S, Arrivals, collective_timeout_s, gather, new_group
-from ftmem._common.job_store import StandingConnection, taken
+from ftmem._common.job_store import StandingConnection, no_answer
 from ftmem._common.logs import job_info, rank_warning
 from ftmem._engine.failure_detector import FailureDetector
 from ftmem._engine.handover import FlushHandOver
@@ -53,6 +53,7 @@ from ftmem._ec.protect import ColumnCoder, Topology, make_column_groups, piece_s
 from ftmem._engine.restore import Chosen, DataParallelPeers, Restored, Restorer, off_timeline
 from ftmem._state.serialize import split_state
 from ftmem._state.torch_function import modes_off
+from ftmem._shm.node_round import SharedMemoryRound
 from ftmem._shm.slot_memory import SlotMemory
 from ftmem._shm.slots import CommitRecord, RankStore, VersionRef
 from ftmem._shm.smp_client import SmpClient
@@ -175,8 +176,8 @@ class SnapshotEngine:
     def _attach_to_the_node(self) -> None:
         """This rank's SMP (started if the node has none) and its slots in the node's shared
         memory, once no other job's versions are found there under this job's id."""
-        identity, rpn = self.identity, self.identity.ranks_per_node
-        self._smp = SmpClient(identity.node_dir, list(range(identity.node * rpn, (identity.node + 1) * rpn)))
+        identity = self.identity
+        self._smp = SmpClient(identity.node_dir, identity.node_ranks)
         self._smp.request("hello", self.rank, os.getpid())
         self.store = RankStore(identity.node_dir, self.rank, self.config.slots)
         refuse_foreign_versions(self.store, identity, self.job_group)
@@ -471,10 +472,11 @@ class SnapshotEngine:
         Else why not, the same on every rank; a store that does not answer is a no."""
         try:
             wait_s = finish_timeout_s()
-            verdict = unanimous(taken(self._end_connection, wait_s), f"ftmem/{what}/{self._run}", self.rank,
-                                self.identity.world_size, objection, wait_s)
+            prefix = f"ftmem/{what}/{self._run}"
+            verdict = unanimous(self._end_connection, prefix, self.rank, self.identity.world_size,
+                                objection, wait_s, SharedMemoryRound.of(self.identity, prefix))
         except Exception as e:  # the store is gone (the process that served it ended) or hung
-            verdict = f"the job's store did not answer ({str(e).splitlines()[0]})"
+            verdict = no_answer(e)
         if verdict is not None and objection is None:
             rank_warning(self.rank, "could not agree with the other ranks that the job finished (%s); the job's "
                          "memory stays for a restart", verdict)

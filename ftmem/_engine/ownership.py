@@ -60,8 +60,7 @@ def node_layout_change(identity: RankIdentity) -> Optional[str]:
     path = identity.node_dir
     if not os.path.isdir(path):
         return None
-    rpn = identity.ranks_per_node
-    ours = list(range(identity.node * rpn, (identity.node + 1) * rpn))
+    ours = identity.node_ranks
     recorded = recorded_ranks(path)
     written = sorted(set(recorded or ()) | set(ranks_in(path)))
     if (recorded is None or recorded == ours) and set(written) <= set(ours):

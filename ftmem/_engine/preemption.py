@@ -47,14 +47,15 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ftmem._common import threads
-from ftmem._common.agreement import READ_WAIT_S, Decision
-from ftmem._common.job_store import StandingConnection, own_connection, taken
+from ftmem._common.agreement import NODE_WAIT_S, READ_WAIT_S, Decision, NodeRound, on_the_store
+from ftmem._common.job_store import StandingConnection, no_answer, own_connection
 from ftmem._common.identity import RankIdentity
 from ftmem._common.logs import flush_logs, job_info, log, rank_info, rank_warning
 from ftmem.config import PreemptionConfig
 from ftmem._engine.commit import Committer
 from ftmem._engine.failure_detector import FailureDetector
 from ftmem._shm.jobs import node_dirs
+from ftmem._shm.node_round import SharedMemoryRound
 from ftmem._shm.smp import rank_owner
 
 _GO = "go"  # the decision's answer where every rank was told to stop (else why this is no preemption)
@@ -96,9 +97,10 @@ class Preemption:
         try:
             wait_s = arrival_s(self.config.grace_s)
             why_not = whole_job_told(rank, self.identity.world_size, self._dead_here, wait_s,
-                                     taken(self._connection, wait_s), self._key)
+                                     self._connection, self._key,
+                                     SharedMemoryRound.of(self.identity, self._key))
         except Exception as e:  # the job's store went first (the rank that served it died)
-            why_not = f"the job's store does not answer ({str(e).splitlines()[0]})"  # (not torch's C++ frames)
+            why_not = no_answer(e)
         if why_not is not None:  # training went on meanwhile: what memory holds now is what the restart finds
             rank_info(rank, "%s, not as a preemption of the whole job (%s): nothing is flushed; the process ends now, "
                       "and memory keeps %s for the restart", name, why_not, self._held())
@@ -286,7 +288,8 @@ def end_process(signum: int) -> None:
 
 
 def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]], wait_s: float,
-                   connection: Optional[dist.Store], key: str) -> Optional[str]:
+                   connection: Optional[StandingConnection], key: str,
+                   node: Optional[NodeRound] = None) -> Optional[str]:
     """None if every rank of the job was told to stop within ``wait_s`` (a preemption); else
     why this is none: ranks of this host dead (a teardown after a failure), or ranks that
     were not told. Decided once, on ``connection`` (this rank's own to the job's store, each
@@ -297,35 +300,76 @@ def whole_job_told(rank: int, world_size: int, dead_here: Callable[[], list[int]
 
     The last rank told puts the answer; the others wait on its key, one request each, which
     the store answers when it is put: no rank polls the store, whose load is then a few
-    requests per rank whatever the job's size and however far apart the signals come. A rank
-    of this host that dies meanwhile is watched for locally, and its watch puts the answer."""
+    requests per rank whatever the job's size and however far apart the signals come. Through
+    ``node`` (this rank's node's round), the node's last rank told speaks for the node, and the
+    others hear the answer from it, asking the store nothing (where it has not come within
+    :data:`~ftmem._common.agreement.NODE_WAIT_S`, they wait on the store themselves). A rank of
+    this host that dies meanwhile is watched for locally, and its watch puts the answer."""
     if world_size == 1:
         return None
-    decision = Decision(connection, key, rank, world_size)
+    decision = on_the_store(connection, wait_s, key, rank, world_size)
     end = time.monotonic() + wait_s
+    speaks, told = node is None or node.arrive(), None  # told: the answer the node's files gave this rank
     dead: list[int] = []
-    if decision.arrive() >= world_size:  # the last rank told: every rank was
-        decided = decision.propose(_GO)
-    elif dead := dead_here():
-        decided = decision.propose(_teardown(dead))
-    else:
-        # (The watch's answer goes over a connection of its own: this one waits.)
-        watch = _DeathWatch(dead_here, lambda why: Decision(own_connection(connection, wait_s), key, rank,
-                                                            world_size).propose(why))
-        try:
-            decided = decision.wait(max(0.0, end - time.monotonic()))
-        finally:
-            dead = watch.stop()
-        if decided is None:
-            decided = decision.propose(f"only {decision.arrivals()} of the job's {world_size} ranks were told to stop "
-                                       f"within {wait_s:.1f} s")
+    try:
+        if speaks:
+            decided, dead = _decided(decision(), node, dead_here, end, wait_s)
+        else:
+            def teardown() -> Optional[str]:  # (asked while this rank waits for its node's speaker)
+                dead[:] = dead_here()
+                return decision().propose(_teardown(dead)) if dead else None
+
+            # One rank of the node watches for its deaths meanwhile: the first to come.
+            decided = told = node.wait(min(wait_s, NODE_WAIT_S), teardown if node.first else None)
+            if decided is None:  # the node's speaker has not come: the answer may come from the store
+                decided, dead = _awaited(decision(), dead_here, end, wait_s)
+    except Exception as e:  # the job's store failed: the node's ranks hear it as this one does
+        if node is not None:
+            node.tell(no_answer(e))
+        raise
+    if node is not None and told is None:
+        node.tell(decided)
     live = world_size - len(dead)
-    read = decision.read(live)
-    if decision.serves_the_store and read < live:
+    if speaks:  # a node's speaker counts the node's ranks among the readers: the others read no store
+        read = decision().read(live, 1 if node is None else len(node.ranks))
+    else:
+        read = decision().until_read(live, READ_WAIT_S) if connection.serves_the_store else live
+    if node is not None:
+        node.done()
+    if connection.serves_the_store and read < live:
         rank_info(rank, "%d of the job's %d live ranks had not read the decision after %.0f s (not told to stop, "
                   "or dead on another host): the job's store, served by this process, ends with it all the "
                   "same", live - read, live, READ_WAIT_S)
     return None if decided == _GO else decided
+
+
+def _decided(decision: Decision, node: Optional[NodeRound], dead_here: Callable[[], list[int]], end: float,
+             wait_s: float) -> tuple[str, list[int]]:
+    """The decision that holds, where this rank speaks for itself or its node (``node``); the
+    ranks of this host found dead meanwhile."""
+    if decision.arrive(None if node is None else node.ranks) >= decision.world_size:  # the last told: every rank was
+        return decision.propose(_GO), []
+    return _awaited(decision, dead_here, end, wait_s)
+
+
+def _awaited(decision: Decision, dead_here: Callable[[], list[int]], end: float,
+             wait_s: float) -> tuple[str, list[int]]:
+    """The decision that holds once the others are told (by ``end``), or a rank of this host
+    is found dead; the ranks found dead."""
+    if dead := dead_here():
+        return decision.propose(_teardown(dead)), dead
+    # (The watch's answer goes over a connection of its own: this one waits.)
+    watch = _DeathWatch(dead_here, lambda why: decision.over(own_connection(decision.store, wait_s)).propose(why))
+    try:
+        decided = decision.wait(max(0.0, end - time.monotonic()))
+    finally:
+        dead = watch.stop()
+    return (decided if decided is not None else _not_told(decision, wait_s)), dead
+
+
+def _not_told(decision: Decision, wait_s: float) -> str:
+    return decision.propose(f"only {decision.arrivals()} of the job's {decision.world_size} ranks were told to stop "
+                            f"within {wait_s:.1f} s")
 
 
 def _teardown(dead: list[int]) -> str:

@@ -2,6 +2,9 @@
 the rank whose process serves the store ending first, a stale answer of an earlier attempt, a
 rank late to a decision taken without it, a wait that runs out, an objection that does not
 wait. On a real TCP store, with real processes where one's end is the point."""
+import os
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -11,12 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.common import REPO
 from harness.ranks import free_port, script_outputs
 from benchmarks.bench_control_plane import CountedStore
-from ftmem._common.agreement import REQUESTS_PER_DECISION, Decision, unanimous
+from ftmem._common.agreement import NODE_WAIT_S, REQUESTS_PER_DECISION, Decision, unanimous
 from ftmem._common.collective import NOTE_AFTER_S, Arrivals
-from ftmem._common.job_store import StandingConnection
+from ftmem._common.job_store import PROBE_REQUESTS, StandingConnection
 from ftmem._engine.preemption import whole_job_told
+from ftmem._shm import node_round
+from ftmem._shm.node_round import SharedMemoryRound
 from ftmem.errors import CollectiveNotJoined
 
 READERS = textwrap.dedent("""
@@ -97,7 +103,8 @@ def test_a_rank_with_an_objection_does_not_wait_and_every_rank_gets_the_first_ob
     def rank_ends(rank: int, objection) -> None:
         time.sleep(0.2 * rank)
         started = time.monotonic()
-        answers[rank] = unanimous(connections[rank], "ftmem/end/run", rank, 3, objection, 30.0)
+        answers[rank] = unanimous(StandingConnection(connections[rank], 30.0), "ftmem/end/run", rank, 3, objection,
+                                  30.0)
         took[rank] = time.monotonic() - started
 
     threads = [threading.Thread(target=rank_ends, args=(rank, "it ended with sys.exit(3)" if rank == 0 else None))
@@ -108,7 +115,7 @@ def test_a_rank_with_an_objection_does_not_wait_and_every_rank_gets_the_first_ob
         thread.join(60)
     assert answers == {r: "rank 0: it ended with sys.exit(3)" for r in range(3)}, answers
     assert max(took.values()) < 10, took  # the bound was 30 s
-    assert unanimous(server, "ftmem/end/run-2", 0, 1, None, 30.0) is None  # one rank alone
+    assert unanimous(StandingConnection(server, 30.0), "ftmem/end/run-2", 0, 1, None, 30.0) is None  # one rank alone
 
 
 def _told_apart(arrive_after_s: dict, dead_here: dict, wait_s: float, world: int = 4) -> tuple:
@@ -123,8 +130,8 @@ def _told_apart(arrive_after_s: dict, dead_here: dict, wait_s: float, world: int
         store = CountedStore("127.0.0.1", server.port, 30.0)
         time.sleep(arrive_after_s[rank])
         started = time.monotonic()
-        answers[rank] = whole_job_told(rank, world, dead_here.get(rank, lambda: []), wait_s, store,
-                                       "ftmem/preemption/run")
+        answers[rank] = whole_job_told(rank, world, dead_here.get(rank, lambda: []), wait_s,
+                                       StandingConnection(store, wait_s), "ftmem/preemption/run")
         took[rank], requests[rank] = time.monotonic() - started, len(store.requests)
 
     threads = [threading.Thread(target=told, args=(rank,)) for rank in arrive_after_s]
@@ -142,7 +149,8 @@ def test_ranks_told_to_stop_wait_for_the_last_one_told_on_the_store_without_poll
     8,000 ranks)."""
     answers, requests, _ = _told_apart({0: 0.0, 1: 0.1, 2: 0.2, 3: 1.5}, {}, 10.0)
     assert answers == {rank: None for rank in range(4)}, answers
-    assert max(requests.values()) <= REQUESTS_PER_DECISION, requests  # arrive (2), the wait, the answer, the read
+    # The connection's check, then arrive (2), the wait, the answer, the read.
+    assert max(requests.values()) <= PROBE_REQUESTS + REQUESTS_PER_DECISION, requests
 
 
 def test_a_rank_of_this_host_that_dies_while_the_others_wait_ends_every_rank_s_wait_as_a_teardown():
@@ -233,3 +241,130 @@ def test_a_point_to_point_peer_that_comes_after_the_note_is_waited_for_and_one_t
     with pytest.raises(CollectiveNotJoined, match=r"the test's exchange: ranks \[1\] did not come within 6 s"):
         arrivals.wait([groups[0].send([torch.ones(10)], 1, 8)], "the test's exchange", bound_s, posted)
     assert time.monotonic() - posted < bound_s + NOTE_AFTER_S / 2
+
+
+# -- a decision made node by node ------------------------------------------------------------
+@pytest.fixture
+def store_elsewhere():
+    """The job's store served by a process of its own, as torchrun's agent serves it (a rank
+    whose process serves the store waits for the others' reads, which would count here): its
+    port, and the process."""
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_control_plane", "--serve"], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(proc.stdout.readline()), proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _by_node(port: int, shm, decide, world: int = 6, per_node: int = 3, late: dict = {},
+             connect=lambda port: CountedStore("127.0.0.1", port, 30.0)) -> tuple:
+    """``world`` ranks in threads, ``per_node`` a node, each node's round in a directory of its
+    own under ``shm``, each rank deciding with ``decide(rank, connection, round)`` on a
+    connection of its own to the store at ``port`` (``connect(port)``), ``late[rank]`` seconds
+    after the others (never, where negative): (each rank's answer, its requests to the store,
+    its seconds to its answer)."""
+    answers, requests, took = {}, {}, {}
+
+    def rank_decides(rank: int) -> None:
+        store = connect(port)
+        node_dir = shm / f"node{rank // per_node}"
+        os.makedirs(node_dir, mode=0o700, exist_ok=True)
+        node_round = SharedMemoryRound(str(node_dir), "ftmem/test/run", range(rank // per_node * per_node,
+                                                                               (rank // per_node + 1) * per_node), rank)
+        time.sleep(late.get(rank, 0.0))
+        started = time.monotonic()
+        try:
+            answers[rank] = decide(rank, StandingConnection(store, 30.0), node_round)
+        except Exception as e:
+            answers[rank] = f"raised {e}"
+        took[rank], requests[rank] = time.monotonic() - started, len(getattr(store, "requests", ()))
+
+    threads = [threading.Thread(target=rank_decides, args=(rank,)) for rank in range(world) if late.get(rank, 0) >= 0]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return answers, requests, took
+
+
+def test_a_node_s_ranks_decide_through_one_speaker_and_the_others_ask_the_store_nothing(store_elsewhere, tmp_path,
+                                                                                       monkeypatch):
+    """The job's end, two nodes of three ranks: the last rank of each node to come speaks for
+    it on the store, and its node's others take the answer from the node's shared memory,
+    woken by their speaker (their own looks at the file are a minute apart here). The store
+    serves the two speakers only, whatever the ranks a node; the round's files go once every
+    rank of the node has the answer."""
+    monkeypatch.setattr(node_round, "LOOK_S", 60.0)
+    port, _ = store_elsewhere
+    answers, requests, took = _by_node(port, tmp_path, lambda rank, store, node: unanimous(
+        store, "ftmem/end/run", rank, 6, None, 30.0, node), late={2: 0.3, 4: 0.6})
+    assert answers == {rank: None for rank in range(6)}, answers
+    assert max(took.values()) < 20, took
+    speakers = sorted(rank for rank, n in requests.items() if n)
+    assert speakers == [2, 4], requests  # each node's last to come
+    assert max(requests.values()) <= PROBE_REQUESTS + REQUESTS_PER_DECISION, requests
+    assert not list((tmp_path / "node0" / "rounds").iterdir()) and not list((tmp_path / "node1" / "rounds").iterdir())
+
+
+@pytest.mark.parametrize("objector", [4, 1], ids=["of-the-node", "of-another-node"])
+def test_an_objection_reaches_the_ranks_of_a_node_without_a_speaker(store_elsewhere, tmp_path, objector):
+    """Rank 5 never comes to the job's end (hung), so its node has no speaker; a rank objects at
+    once. Of its node, rank 3 hears it through the node; of another node, on the store, once it
+    waited for its node's speaker longer than a node's ranks come apart. No rank waits the 30 s
+    bound."""
+    port, _ = store_elsewhere
+    answers, _, took = _by_node(port, tmp_path, lambda rank, store, node: unanimous(
+        store, "ftmem/end/run", rank, 6, "it ended with sys.exit(3)" if rank == objector else None, 30.0, node),
+        late={5: -1})
+    assert answers == {rank: f"rank {objector}: it ended with sys.exit(3)" for rank in range(5)}, answers
+    assert max(took.values()) < NODE_WAIT_S + 10, took
+
+
+def test_a_rank_that_never_comes_is_named_by_its_node_s_ranks(store_elsewhere, tmp_path):
+    """Rank 5 never comes to the job's end. Its node has no speaker: rank 3 and 4, once their
+    wait runs out, name it from the node's files; node 0's speaker names node 1's ranks absent
+    from the store. Whichever is put first holds for every rank, and it names rank 5."""
+    port, _ = store_elsewhere
+    answers, _, took = _by_node(port, tmp_path, lambda rank, store, node: unanimous(
+        store, "ftmem/end/run", rank, 6, None, 1.0, node), late={5: -1})
+    assert len(set(answers.values())) == 1 and len(answers) == 5, answers
+    assert "5]" in answers[0] and "did not come within 1 s" in answers[0], answers
+    assert max(took.values()) < 10, took
+
+
+def test_a_store_that_fails_under_a_node_s_speaker_is_told_to_the_node_s_ranks(store_elsewhere, tmp_path):
+    """The store is gone when node 0's speaker comes: its ranks hear why from it at once, not
+    at the end of their 30 s wait."""
+    port, proc = store_elsewhere
+    answers, _, took = _by_node(port, tmp_path, lambda rank, store, node: (
+        proc.kill(), proc.wait(), unanimous(store, "ftmem/end/run", rank, 3, None, 30.0, node))[-1]
+        if rank == 2 else unanimous(store, "ftmem/end/run", rank, 3, None, 30.0, node), world=3, late={2: 0.5},
+        connect=lambda port: dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                           timeout=timedelta(seconds=30)))
+    assert answers[2].startswith("raised"), answers
+    assert answers[0] == answers[1] and answers[0].startswith("the job's store did not answer ("), answers
+    assert max(took[0], took[1]) < 10, took
+
+
+def test_a_preemption_decided_node_by_node_flushes_and_a_death_on_the_host_is_a_teardown(store_elsewhere, tmp_path):
+    """Every rank told, over half a second: the answer is the go, through each node's speaker.
+    Then rank 5 is never told: it died, on the host of rank 3 and 4, after they began to wait
+    for their node's speaker (which never comes): the first of them to come, watching the host,
+    puts the teardown at once (not once their wait for a speaker ran out), and every rank
+    follows it."""
+    port, _ = store_elsewhere
+    answers, requests, _ = _by_node(port, tmp_path / "told", lambda rank, store, node: whole_job_told(
+        rank, 6, lambda: [], 10.0, store, "ftmem/preemption/run", node), late={1: 0.2, 3: 0.5})
+    assert answers == {rank: None for rank in range(6)}, answers
+    assert sorted(rank for rank, n in requests.items() if n) == [1, 3], requests
+
+    died = time.monotonic() + 0.5
+    node_1_host = lambda: [5] if time.monotonic() > died else []  # noqa: E731
+    answers, _, took = _by_node(port, tmp_path / "teardown", lambda rank, store, node: whole_job_told(
+        rank, 6, node_1_host if rank in (3, 4) else lambda: [], 10.0, store, "ftmem/preemption/run-2", node),
+        late={5: -1})
+    why = "rank(s) [5] of this host had died first, as in a teardown after a failure"
+    assert answers == {rank: why for rank in range(5)}, answers
+    assert max(took.values()) < NODE_WAIT_S, took

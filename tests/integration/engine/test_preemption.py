@@ -138,7 +138,7 @@ TEARDOWN = textwrap.dedent("""
     import os, sys, time
     from datetime import timedelta
     import torch.distributed as dist
-    from ftmem._common.job_store import own_connection
+    from ftmem._common.job_store import StandingConnection
     from ftmem._engine.preemption import whole_job_told
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=60))
@@ -154,7 +154,7 @@ TEARDOWN = textwrap.dedent("""
             time.sleep(0.3)
         return [1]
     print("decided:", whole_job_told(rank, 3, dead_here, 10.0,
-                                     own_connection(dist.distributed_c10d._get_default_store(), 10.0),
+                                     StandingConnection(dist.distributed_c10d._get_default_store(), 10.0),
                                      "ftmem/preemption/run"), flush=True)
     os._exit(0)  # as the engine ends the process: rank 0's ends the store with it
 """)
