@@ -54,6 +54,7 @@ from ftmem._common.agreement import Decision, unanimous
 from ftmem._common.job_store import StandingConnection
 from ftmem._engine.failure_detector import FailureDetector, interval_s
 from ftmem._engine.preemption import arrival_s, whole_job_told
+from ftmem._shm.node_round import SharedMemoryRound
 from ftmem.cli import Parser, positive_int
 
 RANKS = (64, 1024, 4096, 16384)
@@ -114,6 +115,9 @@ class CountedStore(dist.Store):
 
     def set(self, key, value):
         return self._timed("set", key, value)
+
+    def multi_set(self, keys, values):
+        return self._timed("multi_set", keys, values)
 
     def get(self, key):
         return self._timed("get", key)
@@ -198,19 +202,22 @@ def worker(spec: dict) -> None:
         everyone_at = start + spread_s  # the event's end: the last rank's signal, or its end of training
 
         def one(rank: int, store: CountedStore) -> None:
+            key = f"ftmem/{path}/{run}"
+            # (A job makes the connection at the engine's start; on one made already, as here, that
+            # asks nothing of the store. So does its node's round.)
+            wait_s = arrival_s(PREEMPTION_GRACE_S) if path == "preemption" else END_WAIT_S
+            connection, node = StandingConnection(store, wait_s), _node_round(spec, rank, key)
             # The ranks come in a shuffled order over the spread, not a worker's at a time.
             time.sleep(max(0.0, start + spread_s * (rank * 7919 % world) / (world - 1) - time.monotonic()))
-            if path == "preemption":
-                wait_s = arrival_s(PREEMPTION_GRACE_S)
-                # (A job makes the connection at the engine's start; on one made already, as here, that
-                # asks nothing of the store.)
-                answer = whole_job_told(rank, world, lambda: [], wait_s, StandingConnection(store, wait_s).take(
-                    wait_s), f"ftmem/preemption/{run}")
-            elif path == "end":
-                answer = unanimous(StandingConnection(store, END_WAIT_S).take(END_WAIT_S), f"ftmem/end/{run}", rank,
-                                   world, None, END_WAIT_S)
-            else:
-                answer = Decision(store, "ftmem/group_arrivals/1", rank, world).arrive() and None
+            try:
+                if path == "preemption":
+                    answer = whole_job_told(rank, world, lambda: [], wait_s, connection, key, node)
+                elif path == "end":
+                    answer = unanimous(connection, key, rank, world, None, wait_s, node)
+                else:
+                    answer = Decision(store, "ftmem/group_arrivals/1", rank, world).arrive() and None
+            except Exception as e:  # (the store did not answer in time: the row says so)
+                answer = f"rank {rank} raised {e}"
             if answer is None:  # every rank was told, every rank finished
                 done.append(time.monotonic() - everyone_at)
             else:
@@ -223,11 +230,25 @@ def worker(spec: dict) -> None:
         window = None
     requests = [r for s in stores for r in s.requests if window is None or window[0] <= r[1] < window[1]]
     print(json.dumps({"done": done, "missed": missed, "requests": len(requests),
-                      "first": min(r[1] for r in requests), "last": max(r[1] + r[2] for r in requests),
+                      # (none where every rank of the worker heard from its node's speaker)
+                      "first": min((r[1] for r in requests), default=None),
+                      "last": max((r[1] + r[2] for r in requests), default=None),
                       # a wait's is how long the answer took to come, not the store's
                       "latencies": [r[2] for r in requests if r[0] != "wait"],
                       "kinds": Counter(r[0] for r in requests), "ranks": len(ranks),
                       "window": None if window is None else window[1] - window[0]}), flush=True)
+
+
+def _node_round(spec: dict, rank: int, key: str) -> Optional[SharedMemoryRound]:
+    """The round of ``rank``'s node (a directory of the node's under the bench's), where ranks
+    decide node by node; None where they decide each on its own (``--by-rank``)."""
+    per_node = spec["ranks_per_node"]
+    if spec["by_rank"] or per_node == 1:
+        return None
+    node = rank // per_node
+    node_dir = os.path.join(spec["nodes_dir"], f"node{node}")
+    os.makedirs(node_dir, mode=0o700, exist_ok=True)
+    return SharedMemoryRound(node_dir, key, range(node * per_node, min(spec["world"], (node + 1) * per_node)), rank)
 
 
 def _connector(first: CountedStore, host: str, port: int, wait_s: float, made: list):
@@ -304,12 +325,14 @@ def names_from_files(directory: str) -> list[str]:
     return prefix
 
 
-def measure(path: str, world: int, workers: int, detector_timeout_s: float, spread_s: float,
+def measure(path: str, world: int, workers: int, detector_timeout_s: float, spread_s: float, by_rank: bool,
             prefix: list[str]) -> dict:
-    """One path at one size, on a store of its own; its processes started under ``prefix``."""
+    """One path at one size, on a store of its own, its nodes' rounds in a directory of their own
+    in shared memory; its processes started under ``prefix``."""
     me = prefix + [sys.executable, "-m", "benchmarks.bench_control_plane"]
     store = subprocess.Popen(me + ["--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     procs: list[subprocess.Popen] = []
+    nodes_dir = tempfile.mkdtemp(prefix="ftmem-bench-nodes-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         port = int(_readline(store, time.monotonic() + 60, "the store"))
         run, share = uuid.uuid4().hex[:8], -(-world // workers)
@@ -319,7 +342,8 @@ def measure(path: str, world: int, workers: int, detector_timeout_s: float, spre
         for first in range(0, world, share):
             spec = {"host": "127.0.0.1", "port": port, "world": world, "path": path, "run": run,
                     "ranks": [first, min(world, first + share)], "detector_timeout_s": detector_timeout_s,
-                    "window_s": window_s, "spread_s": spread_s}
+                    "window_s": window_s, "spread_s": spread_s, "by_rank": by_rank,
+                    "ranks_per_node": RANKS_PER_NODE, "nodes_dir": nodes_dir}
             procs.append(subprocess.Popen(me + ["--worker", json.dumps(spec)], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True))
         bound = time.monotonic() + START_WAIT_S
@@ -342,11 +366,13 @@ def measure(path: str, world: int, workers: int, detector_timeout_s: float, spre
             if p.poll() is None:
                 p.kill()
             p.wait()
+        shutil.rmtree(nodes_dir, ignore_errors=True)
     requests = sum(part["requests"] for part in parts)
     latencies = sorted(x for part in parts for x in part["latencies"])
     done = [d for part in parts for d in part["done"]]
     missed = [answer for part in parts for answer in part["missed"]]
-    span = parts[0]["window"] or max(part["last"] for part in parts) - min(part["first"] for part in parts)
+    span = parts[0]["window"] or (max(part["last"] for part in parts if part["last"] is not None) -
+                                  min(part["first"] for part in parts if part["first"] is not None))
     kinds = Counter()
     for part in parts:
         kinds.update(part["kinds"])
@@ -361,7 +387,7 @@ def _threads_needed(path: str, world: int) -> int:
     return world * (2 if path == "detector" else 1)
 
 
-def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, spread_s: float,
+def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, spread_s: float, by_rank: bool,
                         plot: Optional[str]) -> None:
     with open("/proc/sys/kernel/pid_max") as f:
         pid_max = int(f.read())
@@ -386,12 +412,15 @@ def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, s
           f"a node; the detector's timeout {detector_timeout_s:g} s (a beat every "
           f"{interval_s(detector_timeout_s):g} s); the ranks come to {' and '.join(SPREAD)} over {spread_s:g} s, "
           f"each path's time to every rank counts from the last; {os.cpu_count()} CPUs", flush=True)
+    print("(a decision of the whole job: each rank asks the store on its own, as before ftmem's nodes' rounds)"
+          if by_rank else "(a decision of the whole job: through each node's round, its speaker alone asks the store)",
+          flush=True)
     print(f"{'path':10s} {'ranks':>6s} {'to every rank':>14s} {'first to last':>13s} {'store req/s':>12s} "
           f"{'req/rank':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'store CPU':>9s} {'all CPU':>8s}  requests", flush=True)
     result, rows = {}, {}
     for path in paths:
         for n in sizes:
-            m = measure(path, n, min(workers, n), detector_timeout_s, spread_s, prefix)
+            m = measure(path, n, min(workers, n), detector_timeout_s, spread_s, by_rank, prefix)
             rows[path, n] = m
             kinds = " ".join(f"{k}:{v}" for k, v in sorted(m["kinds"].items()))
             print(f"{path:10s} {n:6d} {m['time_s']:12.3f} s {m['first_to_last_s']:11.3f} s {m['store_rps_n']:12.0f} "
@@ -481,6 +510,9 @@ def main(argv=None) -> int:
                              f"is 60)")
     parser.add_argument("--spread-s", type=float, default=SPREAD_S,
                         help=f"seconds over which the ranks come to {' and '.join(SPREAD)} (default {SPREAD_S:g})")
+    parser.add_argument("--by-rank", action="store_true",
+                        help="each rank makes the decisions of the whole job on the store on its own, not through its "
+                             "node's round (the design before it, for comparison)")
     parser.add_argument("--tiny", action="store_true", help="16 and 64 ranks, a detector timeout of 2 s (a check)")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figures (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -488,7 +520,7 @@ def main(argv=None) -> int:
         sizes, timeout_s = (16, 64), 2
     else:
         sizes, timeout_s = args.ranks or _default_sizes(), args.detector_timeout_s
-    bench_control_plane(sizes, args.paths, args.workers, timeout_s, args.spread_s, args.plot)
+    bench_control_plane(sizes, args.paths, args.workers, timeout_s, args.spread_s, args.by_rank, args.plot)
     return 0
 
 
