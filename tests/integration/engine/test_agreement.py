@@ -2,7 +2,9 @@
 the rank whose process serves the store ending first, a stale answer of an earlier attempt, a
 rank late to a decision taken without it, a wait that runs out, an objection that does not
 wait. On a real TCP store, with real processes where one's end is the point."""
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -368,3 +370,21 @@ def test_a_preemption_decided_node_by_node_flushes_and_a_death_on_the_host_is_a_
     why = "rank(s) [5] of this host had died first, as in a teardown after a failure"
     assert answers == {rank: why for rank in range(5)}, answers
     assert max(took.values()) < NODE_WAIT_S, took
+
+
+def test_a_rank_without_its_node_s_round_decides_alone_and_is_never_counted_twice(store_elsewhere, tmp_path):
+    """Rank 1 cannot make its node's round (its node's directory is gone): SharedMemoryRound.of
+    says so and gives none, and rank 1 arrives on the store for itself. Its node's round never
+    completes without it, so its node-mate is never counted by a speaker as well: the job's end
+    is never agreed on a count that includes a rank twice. Every rank gets the same no, naming
+    the rank missing from the round (rank 0's view) or from the store (the others')."""
+    from ftmem._common.identity import RankIdentity
+    lost = RankIdentity(job="job-1", rank=1, world_size=4, ranks_per_node=2, shm_dir=str(tmp_path / "gone"),
+                        origin=None)
+    assert SharedMemoryRound.of(lost, "ftmem/end/run") is None
+    assert SharedMemoryRound.of(dataclasses.replace(lost, ranks_per_node=1), "ftmem/end/run") is None
+    port, _ = store_elsewhere
+    answers, _, _ = _by_node(port, tmp_path, lambda rank, store, node: unanimous(
+        store, "ftmem/end/run", rank, 4, None, NODE_WAIT_S + 1, None if rank == 1 else node), world=4, per_node=2)
+    assert len(answers) == 4 and len(set(answers.values())) == 1, answers
+    assert re.fullmatch(rf"ranks \[[01]\] did not come within {NODE_WAIT_S + 1:g} s", answers[0]), answers
