@@ -131,7 +131,7 @@ class NodeRound(abc.ABC):
     the answer without the store, which then serves a few requests per node, not per rank."""
 
     ranks: list[int]  # the node's
-    first: bool  # this rank was the node's first to come (where the node watches for something, it does)
+    first: bool  # this rank was the first of its node to come: the one that watches meanwhile (for deaths)
 
     @abc.abstractmethod
     def arrive(self) -> bool:

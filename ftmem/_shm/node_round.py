@@ -1,19 +1,21 @@
 """A job-wide decision's round within one node (:class:`~ftmem._common.agreement.NodeRound`),
 through the node's shared memory: the node's ranks come one by one, the one that finds them
 all come speaks for the node on the job's store (:class:`~ftmem._common.agreement.Decision`),
-and the others take the answer from a file here instead of asking the store. The store then serves a few requests per node, not per
-rank: at 8 ranks a node, an eighth of the load of a decision every rank makes on its own.
+and the others take the answer from a file here instead of asking the store. The store then
+serves a few requests per node, not per rank: at 8 ranks a node, an eighth of the load of a
+decision every rank makes on its own.
 
 A round is a directory of the node's (``<node dir>/rounds/<name>``) holding a file per rank
 that came (``came/<rank>``), one per rank that has the answer (``read/<rank>``), the claims of
 the node's first rank to come and of its speaker (each made exclusively: one rank claims it,
 whichever tried first; the speaker's, among those that found every rank come) and the answer
-(written whole under the teller's name, then linked to its own: the first told stays). The last rank to read it takes the
-directory away; a rank that never comes (dead, hung) leaves it to the job's memory, which
-``ftmem clean`` and the job's finish free with the rest. Waits are bounded by the caller. A
-waiting rank sleeps on a socket of its own, which the rank that tells the answer wakes (the
-node's ranks share a network namespace, as they share memory), and looks at the file every
-:data:`LOOK_S` besides: no rank polls the store, nor anything else many times a second.
+(written whole under the teller's name, then linked to its own: the first told stays). The
+last rank to read it takes the directory away; a rank that never comes (dead, hung) leaves it
+to the job's memory, which ``ftmem clean`` and the job's finish free with the rest. Waits are
+bounded by the caller. A waiting rank sleeps on a socket of its own, which the rank that tells
+the answer wakes (the node's ranks share a network namespace, as they share memory), and looks
+at the file every :data:`LOOK_S` besides: no rank polls the store, nor anything else many times
+a second.
 """
 from __future__ import annotations
 
