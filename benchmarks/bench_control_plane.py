@@ -6,11 +6,12 @@ start, in a process of its own) and N simulated ranks, spread over worker proces
 threads, each rank on a connection of its own. Each rank runs ftmem's own code for each path;
 only its training is left out:
 
-* ``detector``: the failure detector (:class:`~ftmem._engine.failure_detector.FailureDetector`)
-  of every rank beats and watches; then one rank falls silent as a failing one does, and the
-  figure is the time from its silence to every other rank's detector ending its rank (the
-  rank's end is recorded in place of ``os._exit``). It includes the detector's timeout
-  (``--detector-timeout-s``), which the output states beside it;
+* ``detector``: the failure detector
+  (:class:`~ftmem._engine.failure_detector.FailureDetector`) of every rank beats and watches
+  (each node's in a directory of its own in ``/dev/shm``); then one rank falls silent as a
+  failing one does, and the figure is the time from its silence to every other rank's
+  detector ending its rank (the rank's end is recorded in place of ``os._exit``). It includes
+  the detector's timeout (``--detector-timeout-s``), which the output states beside it;
 * ``preemption``: every rank told to stop (a SIGTERM to every rank, which a scheduler's
   signals deliver over a second or so: ``--spread-s``), each deciding with the others whether
   the whole job was (:func:`~ftmem._engine.preemption.whole_job_told`); the figure is the time
@@ -54,6 +55,7 @@ from ftmem._common.agreement import Decision, unanimous
 from ftmem._common.job_store import StandingConnection
 from ftmem._engine.failure_detector import FailureDetector, interval_s
 from ftmem._engine.preemption import arrival_s, whole_job_told
+from ftmem._shm.node_beats import NodeBeats
 from ftmem._shm.node_round import SharedMemoryRound
 from ftmem.cli import Parser, positive_int
 
@@ -176,7 +178,7 @@ def worker(spec: dict) -> None:
         detectors = []
         for rank, store in zip(ranks, list(stores)):
             detectors.append(SimulatedDetector(_connector(store, host, port, wait_s, stores), "the bench's store",
-                                               run, rank, world, RANKS_PER_NODE, timeout_s))
+                                               run, rank, world, RANKS_PER_NODE, timeout_s, _node_beats(spec, rank)))
         # The steady window begins once every worker's detectors beat (the parent says when):
         # on a loaded machine, starting tens of detectors takes long enough that the first
         # beats' one-off read of the watched rank's host would fall in a window counted from
@@ -240,15 +242,29 @@ def worker(spec: dict) -> None:
 
 
 def _node_round(spec: dict, rank: int, key: str) -> Optional[SharedMemoryRound]:
-    """The round of ``rank``'s node (a directory of the node's under the bench's), where ranks
-    decide node by node; None where they decide each on its own (``--by-rank``)."""
+    """The round of ``rank``'s node, where ranks decide node by node; None where they decide
+    each on its own (``--by-rank``)."""
+    node = _node(spec, rank)
+    return None if node is None else SharedMemoryRound(node[0], key, node[1], rank)
+
+
+def _node_beats(spec: dict, rank: int) -> Optional[NodeBeats]:
+    """The beats of ``rank``'s node, where a node beats as one; None where each rank beats on
+    the store (``--by-rank``)."""
+    node = _node(spec, rank)
+    return None if node is None else NodeBeats(node[0], spec["run"], node[1], rank)
+
+
+def _node(spec: dict, rank: int) -> Optional[tuple[str, range]]:
+    """The directory of ``rank``'s node (under the bench's) and the node's ranks; None where
+    each rank acts on its own (``--by-rank``)."""
     per_node = spec["ranks_per_node"]
     if spec["by_rank"] or per_node == 1:
         return None
     node = rank // per_node
     node_dir = os.path.join(spec["nodes_dir"], f"node{node}")
     os.makedirs(node_dir, mode=0o700, exist_ok=True)
-    return SharedMemoryRound(node_dir, key, range(node * per_node, min(spec["world"], (node + 1) * per_node)), rank)
+    return node_dir, range(node * per_node, min(spec["world"], (node + 1) * per_node))
 
 
 def _connector(first: CountedStore, host: str, port: int, wait_s: float, made: list):
@@ -383,8 +399,10 @@ def measure(path: str, world: int, workers: int, detector_timeout_s: float, spre
             "store_cpu_x": store_cpu / elapsed, "machine_cpu_x": machine_cpu / elapsed, "kinds": kinds}
 
 
-def _threads_needed(path: str, world: int) -> int:
-    return world * (2 if path == "detector" else 1)
+def _threads_needed(path: str, world: int, by_rank: bool) -> int:
+    """A rank's thread, and for the detector a judge's on each rank that beats on the store."""
+    judges = 0 if path != "detector" else world if by_rank else -(-world // RANKS_PER_NODE)
+    return world + judges
 
 
 def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, spread_s: float, by_rank: bool,
@@ -395,7 +413,7 @@ def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, s
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the store holds a connection per rank
     for path in paths:
         for n in sizes:
-            threads = _threads_needed(path, n)
+            threads = _threads_needed(path, n, by_rank)
             if threads > pid_max * 0.9:
                 raise SystemExit(f"ftmem bench control-plane: {path} at {n} ranks runs {threads} "
                                  f"threads, and this machine's kernel.pid_max is {pid_max}: raise it (sysctl -w "
@@ -412,9 +430,10 @@ def bench_control_plane(sizes, paths, workers: int, detector_timeout_s: float, s
           f"a node; the detector's timeout {detector_timeout_s:g} s (a beat every "
           f"{interval_s(detector_timeout_s):g} s); the ranks come to {' and '.join(SPREAD)} over {spread_s:g} s, "
           f"each path's time to every rank counts from the last; {os.cpu_count()} CPUs", flush=True)
-    print("(a decision of the whole job: each rank asks the store on its own, as before ftmem's nodes' rounds)"
-          if by_rank else "(a decision of the whole job: through each node's round, its speaker alone asks the store)",
-          flush=True)
+    print("(each rank beats on the store, and asks it at a decision of the whole job, on its own: the design before "
+          "ftmem's nodes beat and decide as one)" if by_rank else
+          "(each node's beater alone beats on the store, and its speaker alone asks it at a decision of the whole job; "
+          "the node's other ranks beat and hear the answer in the node's shared memory)", flush=True)
     print(f"{'path':10s} {'ranks':>6s} {'to every rank':>14s} {'first to last':>13s} {'store req/s':>12s} "
           f"{'req/rank':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'store CPU':>9s} {'all CPU':>8s}  requests", flush=True)
     result, rows = {}, {}
@@ -511,8 +530,8 @@ def main(argv=None) -> int:
     parser.add_argument("--spread-s", type=float, default=SPREAD_S,
                         help=f"seconds over which the ranks come to {' and '.join(SPREAD)} (default {SPREAD_S:g})")
     parser.add_argument("--by-rank", action="store_true",
-                        help="each rank makes the decisions of the whole job on the store on its own, not through its "
-                             "node's round (the design before it, for comparison)")
+                        help="each rank beats on the store, and makes the decisions of the whole job there, on its "
+                             "own, not through its node (the design before it, for comparison)")
     parser.add_argument("--tiny", action="store_true", help="16 and 64 ranks, a detector timeout of 2 s (a check)")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw the figures (needs matplotlib)")
     args = parser.parse_args(argv)

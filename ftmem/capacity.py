@@ -189,11 +189,11 @@ class CapacityPlan:
 
 
 def control_plane(job: Job, failure_timeout_s: float) -> ControlPlane:
-    """The job's store's load from ftmem (docs/design/control-plane.md): each rank beats every
-    :func:`~ftmem._engine.failure_detector.interval_s`; in a decision of the whole job, each
-    node's speaker makes a few requests for its node, on a connection it made at the engine's
-    start (checked as it is taken), and the node's other ranks none."""
-    beats = job.world * REQUESTS_PER_BEAT / interval_s(failure_timeout_s)
+    """The job's store's load from ftmem (docs/design/control-plane.md): each node's beater
+    beats for its node every :func:`~ftmem._engine.failure_detector.interval_s`; in a decision
+    of the whole job, each node's speaker makes a few requests for its node, on a connection it
+    made at the engine's start (checked as it is taken). The node's other ranks ask nothing."""
+    beats = job.nodes * REQUESTS_PER_BEAT / interval_s(failure_timeout_s)
     return ControlPlane(failure_timeout_s=failure_timeout_s, beats_per_s=beats,
                         decision_requests=job.nodes * (REQUESTS_PER_DECISION + PROBE_REQUESTS))
 

@@ -204,8 +204,7 @@ class SnapshotEngine:
         (:mod:`ftmem._common.exit_status`), the failure detector's threads, the preemption's
         signal handler."""
         exit_status.watch()
-        self._detector = FailureDetector.start(self.config.failure_detection.resolve(), self._run, self.rank,
-                                               self.identity.world_size, self.identity.ranks_per_node)
+        self._detector = FailureDetector.start(self.config.failure_detection.resolve(), self._run, self.identity)
         self._preemption = Preemption(self.config.preemption, self.identity, self._job_store, self._run,
                                       self._committer, self._detector)
 

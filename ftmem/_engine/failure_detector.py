@@ -3,18 +3,23 @@ ends the job at once and the launcher restarts it, instead of the survivors sitt
 collective of the training until its timeout (NCCL's 10 minutes, gloo's 30). A hung node (a
 stopped process, a GPU off the bus, a network partition) raises nothing by itself.
 
-Each rank beats on the job's store (an ``add`` to a counter of its own) every
-:func:`interval_s`, from a thread of its own: a slow step, a long flush, a main thread paused
-in a debugger go on beating; a process stopped whole (SIGSTOP, gdb) or gone does not. Each
-rank watches one other, the same local rank on the next node (:func:`watched_rank`), so that
-every rank is watched from another host and the store serves a few operations per rank and
-interval, whatever the job's size. A rank whose watched rank's counter has not moved for the
-timeout puts its verdict on the store, a :class:`~ftmem._common.agreement.Decision` (the first
-verdict holds), every rank reads it at its next beat, logs one line naming the node and ends its process with
-:data:`EXIT_CODE`; the rank that put it there ends once the live ranks have read it (at most
-two beats): its end may end the store (rank 0 serves it, where the launcher does not) and
-break the others' collectives, and a rank that had not read the verdict would end on that,
-not saying why. A store silent for the timeout that takes no new connection either (the host
+Each rank beats every :func:`interval_s`, from a thread of its own: a slow step, a long
+flush, a main thread paused in a debugger go on beating; a process stopped whole (SIGSTOP,
+gdb) or gone does not. A node of one rank beats on the job's store (an ``add`` to a counter of
+its own), and its rank watches the next node's (:func:`watched_rank`), so that every rank is
+watched from another host. A node of several ranks beats as one
+(:class:`~ftmem._shm.node_beats.NodeBeats`): its lowest rank, the beater, beats on the store
+and watches the next node's beater there, as a rank of its own node does; the node's other
+ranks beat in the node's shared memory, where the beater watches them and each of them watches
+the beater. The store serves 3 requests per node and beat, whatever the job's size: a node's,
+not each rank's. A rank whose watched rank has not beaten for the timeout puts its verdict on
+the store, a :class:`~ftmem._common.agreement.Decision` (the first verdict holds); every
+beater reads it at its next beat and tells its node, whose other ranks read it at theirs; each
+logs one line naming the node and ends its process with :data:`EXIT_CODE`. The rank that put
+it there ends once the live ranks have read it (at most three beats: the beaters', then their
+nodes'): its end may end the store (rank 0 serves it, where the launcher does not) and break
+the others' collectives, and a rank that had not read the verdict would end on that, not
+saying why. A store silent for the timeout that takes no new connection either (the host
 that serves it is lost) ends the rank as well, and so does one where nothing listens any
 more, at once (the process that served it ended: rank 0, under ``env://``; the job can make
 no collective again). A failed beat is no verdict: the next one takes a new connection; and a
@@ -23,9 +28,12 @@ beats were held up blames nobody.
 
 The beats go over a connection of the detector's own: a store client blocks every other use
 of itself while one call waits (the framework's ``get`` of a key a slow rank has not set yet),
-and that wait is no failure. A second thread judges, since a call to a stopped store blocks.
+and that wait is no failure. A rank that beats on the store judges from a second thread, since
+a call to a stopped store blocks, and that thread says the beater's beats to its node: a store
+that stalls the beater's calls is the store's failure, which the beater names and tells its
+node, not the beater's. A node's other ranks read files only, and judge in their beats' thread.
 
-A rank says it left (its counter jumps by :data:`_LEFT`), and its silence after that is no
+A rank says it left (its count jumps by :data:`_LEFT`), and its silence after that is no
 failure, only where the job agreed that it finished (the engine's end of the job), at a
 preemption of the whole job, or where its interpreter exits cleanly without having closed the
 engine. A rank that ends because it failed (an uncaught exception, a non-zero ``sys.exit``:
@@ -38,6 +46,7 @@ of an earlier one.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import socket
 import threading
@@ -48,8 +57,10 @@ import torch.distributed as dist
 
 from ftmem._common import exit_status, threads
 from ftmem._common.agreement import Decision
+from ftmem._common.identity import RankIdentity
 from ftmem._common.job_store import StoreGone, own_connection, store_name
 from ftmem._common.logs import flush_logs, log, rank_error
+from ftmem._shm.node_beats import NodeBeats
 
 # EX_TEMPFAIL: the job failed, and restarting it is the remedy (any code but 0 makes the
 # launcher restart the job; this one tells a failure ftmem detected from a crash).
@@ -70,17 +81,33 @@ def watched_rank(rank: int, world_size: int, ranks_per_node: int) -> int:
     return (rank + ranks_per_node) % world_size
 
 
+@dataclasses.dataclass
+class _Watch:
+    """What this rank's beats saw of a rank it watches (guarded by the detector's lock)."""
+    count: Optional[int]  # its count, None before its first beat
+    moved: float  # when its count last moved (or the watch began)
+    seen: float  # when this rank last read its count: a rank whose own reads were held up blames nobody
+
+
 class FailureDetector:
-    """This rank's heartbeat and its watch over another rank (see the module's doc)."""
+    """This rank's heartbeat and its watch over others (see the module's doc)."""
 
     def __init__(self, connect: Callable[[], dist.Store], store_name: str, run: str, rank: int, world_size: int,
-                 ranks_per_node: int, timeout_s: float):
-        """``connect()`` makes a connection of the detector's own to the job's store."""
+                 ranks_per_node: int, timeout_s: float, node: Optional[NodeBeats] = None):
+        """``connect()`` makes a connection of the detector's own to the job's store; ``node``,
+        the node's beats where it beats as one."""
         self.rank, self.timeout_s, self.interval_s = rank, timeout_s, interval_s(timeout_s)
         self._world_size, self._ranks_per_node = world_size, ranks_per_node
         self._connect, self._store_name = connect, store_name
         self._store, self._key = connect(), f"ftmem/failure_detection/{run}/"
-        self.watched = watched_rank(rank, world_size, ranks_per_node)
+        self._node = node
+        self.beats_on_the_store = node is None or rank == node.beater
+        # The rank whose counter on the store this one watches (a node's beater, the next node's).
+        self.watched = None if not self.beats_on_the_store or (node is not None and world_size <= ranks_per_node) \
+            else watched_rank(rank, world_size, ranks_per_node)
+        # The ranks of its own node it watches in the node's memory.
+        self._node_watched = [] if node is None else [r for r in node.ranks if r != rank] if self.beats_on_the_store \
+            else [node.beater]
         self._pid = os.getpid()
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -88,25 +115,27 @@ class FailureDetector:
         self._publishing = False  # the judge puts a verdict on the store: it ends after the others read it
         # What the beats saw, read by the judge: guarded by _lock.
         self._answered = now  # the store's last answer
-        self._moved = now  # when the watched rank's counter last moved (or the watch began)
-        self._count: Optional[int] = None
+        self._watches = {r: _Watch(None, now, now) for r in self._node_watched + [self.watched] if r is not None}
+        self._node_count = 0  # this rank's beats in the node's memory
         self._watched_host: Optional[str] = None
         self._gone: Optional[str] = None  # why the store is gone for good, once a beat found that
         self._store.set(self._key + f"host/{rank}", socket.gethostname())
         atexit.register(self._at_exit)
-        for target, name in ((self._beat, "ftmem-heartbeat"), (self._judge, "ftmem-failure-judge")):
-            threads.start(target, name)
+        if self.beats_on_the_store:
+            for target, name in ((self._beat, "ftmem-heartbeat"), (self._judge, "ftmem-failure-judge")):
+                threads.start(target, name)
+        else:
+            threads.start(self._beat_in_the_node, "ftmem-heartbeat")
 
     @classmethod
-    def start(cls, timeout_s: Optional[float], run: str, rank: int, world_size: int,
-              ranks_per_node: int) -> Optional["FailureDetector"]:
-        """The detector of a rank of a job of ``world_size`` ranks (torch.distributed
-        initialized); None where detection is off (``timeout_s`` None) or the job has one rank."""
-        if timeout_s is None or world_size == 1:
+    def start(cls, timeout_s: Optional[float], run: str, identity: RankIdentity) -> Optional["FailureDetector"]:
+        """The detector of ``identity``'s rank (torch.distributed initialized); None where
+        detection is off (``timeout_s`` None) or the job has one rank."""
+        if timeout_s is None or identity.world_size == 1:
             return None
         store = dist.distributed_c10d._get_default_store()
-        return cls(lambda: own_connection(store, timeout_s), store_name(store), run, rank, world_size, ranks_per_node,
-                   timeout_s)
+        return cls(lambda: own_connection(store, timeout_s), store_name(store), run, identity.rank,
+                   identity.world_size, identity.ranks_per_node, timeout_s, NodeBeats.of(identity, run))
 
     def stop(self) -> None:
         """This rank leaves: no more beats, and its silence is no failure (the job finished, or
@@ -115,7 +144,10 @@ class FailureDetector:
             return
         self.fall_silent()
         try:
-            self._store.add(self._counter(self.rank), _LEFT)
+            if self._node is not None:
+                self._beat_in_the_node_s_memory(left=True)
+            if self.beats_on_the_store:
+                self._store.add(self._counter(self.rank), _LEFT)
         except Exception as e:  # the store is gone: the others' detectors end them anyway
             log.debug("rank %d: could not say it left (%s)", self.rank, e)
 
@@ -137,16 +169,20 @@ class FailureDetector:
         return self._key + f"alive/{rank}"
 
     def _beat(self) -> None:
-        own, watched = self._counter(self.rank), self._counter(self.watched)
+        """The beats on the store: this rank's (its node's), its watch of the next node's
+        beater, the verdict."""
+        own = self._counter(self.rank)
         counted = False  # this rank among those that read the verdict (once, whatever fails after)
         while not self._stopped.is_set():
             try:
                 self._store.add(own, 1)
-                count = self._store.add(watched, 0)
+                count = None if self.watched is None else self._store.add(self._counter(self.watched), 0)
                 verdict = self._verdict_decision()
                 if verdict.answered() and not counted:
                     said = verdict.answer()
                     counted = True
+                    if self._node is not None:
+                        self._node.tell(said)  # (first: a read below may wait, where this process serves the store)
                     if self._publishing:
                         verdict.read()
                     else:
@@ -156,7 +192,7 @@ class FailureDetector:
                         # serves the store, the read waits, bounded, for the others' first.)
                         verdict.read(self._live())
                         return self._end(said)
-                if self._watched_host is None and count > 0:  # it set its host before its first beat
+                if self._watched_host is None and count:  # it set its host before its first beat
                     self._watched_host = self._store.get(self._key + f"host/{self.watched}").decode()
             except Exception as e:  # a call that timed out, or a connection closed: the judge counts the silence
                 log.debug("rank %d: a heartbeat failed (%s); the next one takes a new connection", self.rank, e)
@@ -165,9 +201,47 @@ class FailureDetector:
                 now = time.monotonic()
                 with self._lock:
                     self._answered = now
-                    if count != self._count:
-                        self._count, self._moved = count, now
+                    if self.watched is not None:
+                        self._saw(self.watched, count, now)
             self._stopped.wait(self.interval_s)
+
+    def _beat_in_the_node(self) -> None:
+        """The beats of a node's rank other than its beater: in the node's memory, where it
+        watches its beater and reads the verdict its beater tells the node."""
+        while not self._stopped.is_set():
+            self._beat_in_the_node_s_memory()
+            said = self._node.verdict()
+            if said is not None:
+                self._within_a_beat(lambda: self._verdict_decision().read(self._live()), "count its read of the verdict")
+                return self._end(said)
+            self._look_at_the_node()
+            self._judge_the_watched(time.monotonic())
+            self._stopped.wait(self.interval_s)
+
+    def _beat_in_the_node_s_memory(self, left: bool = False) -> None:
+        """One beat in the node's memory, or (``left``) this rank's leaving. Under the lock: a
+        beat written after the leaving would overwrite it, and the rank's silence then count."""
+        with self._lock:
+            if left:
+                self._node.beat(self._node_count + _LEFT)
+            elif not self._stopped.is_set():
+                self._node_count += 1
+                self._node.beat(self._node_count)
+
+    def _look_at_the_node(self) -> None:
+        """Read the counts of the ranks of this node that this rank watches."""
+        counts = [(r, self._node.count(r)) for r in self._node_watched]
+        now = time.monotonic()
+        with self._lock:
+            for r, count in counts:
+                self._saw(r, count, now)
+
+    def _saw(self, rank: int, count: Optional[int], now: float) -> None:
+        """``rank``'s count, read at ``now`` (under the lock)."""
+        watch = self._watches[rank]
+        if count != watch.count:
+            watch.count, watch.moved = count, now
+        watch.seen = now
 
     def _reconnect(self) -> bool:
         """A new connection for the beats; False (the old one kept) where the store takes none."""
@@ -194,10 +268,16 @@ class FailureDetector:
         return True
 
     def _judge(self) -> None:
+        """The judge of a rank that beats on the store: of the store, of the next node's beater,
+        of the ranks of its own node (whose beats it reads here, saying its own to them: this
+        thread never waits on the store for long)."""
         while not self._stopped.wait(self.interval_s / 2):
+            if self._node is not None:
+                self._beat_in_the_node_s_memory()
+                self._look_at_the_node()
             now = time.monotonic()
             with self._lock:
-                answered, moved, count = self._answered, self._moved, self._count
+                answered = self._answered
             if self._gone is not None:
                 self._end(self._gone)
             if now - answered > self.timeout_s:
@@ -205,19 +285,36 @@ class FailureDetector:
                     self._end(f"{self._store_name} has not answered for {now - answered:.0f} s: the host that "
                               f"serves it is lost or hung")
                 continue  # the beats go on over the new connection
-            # The silence this rank's own beats saw: a rank whose beats were held up blames nobody.
-            silent = answered - moved
-            if (count is None or count < _LEFT) and silent > self.timeout_s:
-                node = self.watched // self._ranks_per_node
-                self._publishing = True
-                verdict = self._publish(f"node {node} (host {self._watched_host or '?'}, rank {self.watched}) has not "
-                                        f"answered for {silent:.0f} s (seen by rank {self.rank})")
-                self._until_read()
-                self._end(verdict)
+            self._judge_the_watched(now)
+
+    def _judge_the_watched(self, now: float) -> None:
+        """Put the verdict on a watched rank silent for the timeout, and end."""
+        with self._lock:
+            silent = [(r, w.seen - w.moved) for r, w in self._watches.items()
+                      if (w.count is None or w.count < _LEFT) and w.seen - w.moved > self.timeout_s]
+        if not silent:
+            return
+        rank, silent_s = silent[0]
+        host = self._watched_host if rank == self.watched else socket.gethostname()
+        self._publishing = True
+        verdict = self._publish(f"node {rank // self._ranks_per_node} (host {host or '?'}, rank {rank}) has not "
+                                f"answered for {silent_s:.0f} s (seen by rank {self.rank})")
+        self._until_read(rank)
+        self._end(verdict)
 
     def _verdict_decision(self) -> Decision:
         """The job's verdict, on the beats' connection of the moment."""
         return Decision(self._store, self._key + "verdict", self.rank, self._world_size)
+
+    def _within_a_beat(self, call: Callable[[], object], what: str) -> None:
+        """``call()`` on the store, waited for a beat at most: a store that does not answer
+        leaves this rank to end on what it knows."""
+        def bounded() -> None:
+            try:
+                call()
+            except Exception as e:  # the store went meanwhile
+                log.debug("rank %d: could not %s (%s)", self.rank, what, e)
+        threads.start(bounded, "ftmem-failure-verdict").join(self.interval_s)
 
     def _publish(self, verdict: str) -> str:
         """Put ``verdict`` on the store for every rank; the verdict that holds there (an earlier
@@ -227,18 +324,25 @@ class FailureDetector:
         def put() -> None:
             held[0] = self._verdict_decision().propose(verdict)
 
-        putter = threads.start(put, "ftmem-failure-verdict")
-        putter.join(self.interval_s)
+        self._within_a_beat(put, "put its verdict on the store")
         return held[0]
 
-    def _live(self) -> int:
-        """The ranks that can read a verdict: all but the watched rank's node's."""
+    def _live(self, silent: Optional[int] = None) -> int:
+        """The ranks that can read a verdict (on ``silent``, where this rank puts it there): all
+        but the silent rank's node's, which a lost node takes with it, and a node whose beater is
+        silent puts its own verdict instead of reading one; where the silent rank is one of the
+        ranks of its node that a beater watches, every rank but that one."""
+        if self._node is not None and self.beats_on_the_store and silent in self._node.ranks:
+            return self._world_size - 1
+        if self._node is not None and silent == self._node.beater:
+            return self._world_size - self._ranks_per_node
         return self._world_size - (1 if self._world_size <= self._ranks_per_node else self._ranks_per_node)
 
-    def _until_read(self) -> None:
-        """Until every live rank has read the verdict (at its next beat), at most two beats:
-        all but the watched rank's node, where more are lost, the wait runs out and says so."""
-        live, wait_s = self._live(), 2 * self.interval_s
+    def _until_read(self, silent: int) -> None:
+        """Until every live rank has read the verdict on ``silent``, at most three beats (the
+        beaters read it at their next beat, their nodes' other ranks at theirs): where more are
+        lost, the wait runs out and says so."""
+        live, wait_s = self._live(silent), 3 * self.interval_s
         try:
             read = self._verdict_decision().until_read(live, wait_s)
         except Exception as e:  # the store went meanwhile: nobody else can read it now
@@ -252,6 +356,11 @@ class FailureDetector:
     def _end(self, verdict: str) -> None:
         if self._stopped.is_set():  # the rank left meanwhile (its engine closed)
             return
+        if self._node is not None and self.beats_on_the_store:
+            try:
+                self._node.tell(verdict)  # the node's other ranks end on it at their next beat
+            except OSError as e:
+                log.debug("rank %d: could not tell its node why it ends (%s)", self.rank, e)
         rank_error(self.rank, "%s: ending this process (exit code %d) so that the launcher restarts the job at once "
                    "(\"ftmem.failure_detection\" sets the timeout of %.0f s, or turns this off)", verdict, EXIT_CODE,
                    self.timeout_s)

@@ -6,6 +6,7 @@ must not end (and end the store) before a rank slow to read the verdict has read
 of a whole job at a hung or lost node run through DeepSpeed:
 test_deepspeed.py::test_a_hung_or_killed_node_ends_the_survivors_at_the_detector_s_timeout...)."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,3 +146,82 @@ def test_the_rank_that_serves_the_store_ends_its_verdict_only_once_a_slow_rank_r
     for rank in (0, 2):
         assert f"rank {rank}: node 1 (host ?, rank 1) has not answered for" in said[rank], said[rank]
         assert "(seen by rank 0): ending this process" in said[rank], said[rank]
+
+
+NODE_TIMEOUT_S = 6.0  # beats every 1.2 s
+NODE_RANK = textwrap.dedent("""
+    import sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from ftmem._engine.failure_detector import FailureDetector
+    from ftmem._shm.node_beats import NodeBeats
+
+    rank, port, nodes_dir, leaves, timeout_s = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], 6.0
+    connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                    timeout=timedelta(seconds=timeout_s))
+    node = NodeBeats(f"{nodes_dir}/node{rank // 2}", "run", [rank // 2 * 2, rank // 2 * 2 + 1], rank)
+    detector = FailureDetector(connect, "the store", "run", rank, 4, 2, timeout_s, node)
+    print("BEATING", flush=True)
+    if leaves == "leaves":
+        time.sleep(1)
+        detector.stop()
+    time.sleep(120)  # the detector ends this process
+""")
+
+
+def _nodes_of_two(tmp_path, leaves: bool = False):
+    """A real store, and 4 ranks in processes of their own: 2 nodes of 2 ranks, each node's
+    beats in a directory of its own. Rank 1 leaves after a second, where ``leaves``."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir(mode=0o700)
+    procs = [subprocess.Popen([sys.executable, "-c", NODE_RANK, str(rank), str(store.port), str(tmp_path),
+                               "leaves" if leaves and rank == 1 else "stays"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(4)]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "BEATING"
+    return store, procs
+
+
+@pytest.mark.parametrize("stopped, seen_by", [(3, [2]), (2, [0, 3])], ids=["a node's other rank", "a node's beater"])
+@pytest.mark.fault("rank stopped (SIGSTOP)", phase="between saves", framework="engine (toy trainer)",
+                   expect="ends every rank within the detector's timeout, each naming the silent node, its node's "
+                          "ranks beating as one")
+def test_a_node_beats_as_one_and_a_stopped_rank_of_it_ends_every_other_rank(stopped, seen_by, tmp_path):
+    """2 nodes of 2 ranks: only each node's beater (ranks 0 and 2) beats on the store; ranks 1 and
+    3 beat in their node's memory. Rank 3 stopped is seen by its node's beater (nobody else
+    watches it), and rank 2, the beater, by rank 3 in their node and by rank 0 on the store;
+    every other rank ends naming it, rank 1 told by its beater (it reads nothing on the store),
+    and each within the beats the verdict's watcher waits for them (the watcher would say that
+    some had not read it; without the telling, rank 1 ended on its beater's silence later)."""
+    store, procs = _nodes_of_two(tmp_path)
+    try:
+        alive = "ftmem/failure_detection/run/alive/"
+        assert store.check([alive + "0"]) and store.check([alive + "2"])
+        assert not store.check([alive + "1"]) and not store.check([alive + "3"])  # their beats are their node's
+        os.kill(procs[stopped].pid, signal.SIGSTOP)
+        others = [rank for rank in range(4) if rank != stopped]
+        said = {rank: procs[rank].communicate(timeout=5 * NODE_TIMEOUT_S)[0] for rank in others}
+        assert [procs[rank].returncode for rank in others] == [EXIT_CODE] * 3, said
+        for rank in others:
+            assert re.search(rf"rank {rank}: node 1 \(host [^,]+, rank {stopped}\) has not answered for \d+ s \(seen by "
+                             rf"rank ({'|'.join(map(str, seen_by))})\): ending this process", said[rank]), said[rank]
+            assert "had not read the verdict" not in said[rank], said[rank]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_node_s_rank_that_leaves_is_no_failure_to_its_beater(tmp_path):
+    """Rank 1 leaves (its job finished): its beater, which watches it in their node's memory,
+    takes its silence for no failure, and no rank ends in two timeouts."""
+    store, procs = _nodes_of_two(tmp_path, leaves=True)
+    try:
+        time.sleep(2 * NODE_TIMEOUT_S)
+        assert [proc.poll() for proc in procs] == [None] * 4, [proc.stdout.read() for proc in procs if proc.poll()]
+        assert not store.check(["ftmem/failure_detection/run/verdict/answer"])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
