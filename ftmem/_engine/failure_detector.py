@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import os
 import socket
 import threading
@@ -102,12 +103,17 @@ class FailureDetector:
         self._store, self._key = connect(), f"ftmem/failure_detection/{run}/"
         self._node = node
         self.beats_on_the_store = node is None or rank == node.beater
-        # The rank whose counter on the store this one watches (a node's beater, the next node's).
-        self.watched = None if not self.beats_on_the_store or (node is not None and world_size <= ranks_per_node) \
-            else watched_rank(rank, world_size, ranks_per_node)
-        # The ranks of its own node it watches in the node's memory.
-        self._node_watched = [] if node is None else [r for r in node.ranks if r != rank] if self.beats_on_the_store \
-            else [node.beater]
+        # Whom it watches: the rank whose counter on the store it reads (a node's beater reads the
+        # next node's beater's), and the ranks of its own node whose beats it reads in the node's memory.
+        self.watched: Optional[int] = None
+        self._node_watched: list[int] = []
+        if node is None:
+            self.watched = watched_rank(rank, world_size, ranks_per_node)
+        elif self.beats_on_the_store:
+            self.watched = watched_rank(rank, world_size, ranks_per_node) if world_size > ranks_per_node else None
+            self._node_watched = [r for r in node.ranks if r != rank]
+        else:
+            self._node_watched = [node.beater]
         self._pid = os.getpid()
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -119,9 +125,9 @@ class FailureDetector:
         self._node_count = 0  # this rank's beats in the node's memory
         self._watched_host: Optional[str] = None
         self._gone: Optional[str] = None  # why the store is gone for good, once a beat found that
-        self._store.set(self._key + f"host/{rank}", socket.gethostname())
         atexit.register(self._at_exit)
         if self.beats_on_the_store:
+            self._store.set(self._key + f"host/{rank}", socket.gethostname())  # (its watcher names it)
             for target, name in ((self._beat, "ftmem-heartbeat"), (self._judge, "ftmem-failure-judge")):
                 threads.start(target, name)
         else:
@@ -210,27 +216,40 @@ class FailureDetector:
         watches its beater and reads the verdict its beater tells the node."""
         while not self._stopped.is_set():
             self._beat_in_the_node_s_memory()
-            said = self._node.verdict()
+            try:
+                said = self._node.verdict()
+            except OSError as e:  # (the node's directory gone: its silence is its beater's to see)
+                log.debug("rank %d: could not read its node's verdict (%s)", self.rank, e)
+                said = None
             if said is not None:
-                self._within_a_beat(lambda: self._verdict_decision().read(self._live()), "count its read of the verdict")
+                read = functools.partial(self._verdict_decision().read, self._live())
+                self._within_a_beat(read, "count its read of the verdict")
                 return self._end(said)
             self._look_at_the_node()
-            self._judge_the_watched(time.monotonic())
+            self._judge_the_watched()
             self._stopped.wait(self.interval_s)
 
     def _beat_in_the_node_s_memory(self, left: bool = False) -> None:
         """One beat in the node's memory, or (``left``) this rank's leaving. Under the lock: a
         beat written after the leaving would overwrite it, and the rank's silence then count."""
         with self._lock:
-            if left:
-                self._node.beat(self._node_count + _LEFT)
-            elif not self._stopped.is_set():
-                self._node_count += 1
-                self._node.beat(self._node_count)
+            try:
+                if left:
+                    self._node.beat(self._node_count + _LEFT)
+                elif not self._stopped.is_set():
+                    self._node_count += 1
+                    self._node.beat(self._node_count)
+            except OSError as e:  # a beat missed: its silence is its watchers' to judge
+                log.debug("rank %d: a beat in its node's memory failed (%s)", self.rank, e)
 
     def _look_at_the_node(self) -> None:
-        """Read the counts of the ranks of this node that this rank watches."""
-        counts = [(r, self._node.count(r)) for r in self._node_watched]
+        """Read the counts of the ranks of this node that this rank watches (none read where the
+        node's memory fails: no silence is counted that this rank did not see)."""
+        try:
+            counts = [(r, self._node.count(r)) for r in self._node_watched]
+        except OSError as e:
+            log.debug("rank %d: could not read its node's beats (%s)", self.rank, e)
+            return
         now = time.monotonic()
         with self._lock:
             for r, count in counts:
@@ -285,9 +304,9 @@ class FailureDetector:
                     self._end(f"{self._store_name} has not answered for {now - answered:.0f} s: the host that "
                               f"serves it is lost or hung")
                 continue  # the beats go on over the new connection
-            self._judge_the_watched(now)
+            self._judge_the_watched()
 
-    def _judge_the_watched(self, now: float) -> None:
+    def _judge_the_watched(self) -> None:
         """Put the verdict on a watched rank silent for the timeout, and end."""
         with self._lock:
             silent = [(r, w.seen - w.moved) for r, w in self._watches.items()

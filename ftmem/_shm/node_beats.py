@@ -5,12 +5,13 @@ node, and the node's other ranks beat here, where the beater watches them and th
 rank's: at 8 ranks a node, an eighth of the load.
 
 Each rank's beat count is 8 bytes in a file of its own (``<node dir>/beats/<run>/<rank>``),
-rewritten in place at each beat (no descriptor kept: a beat may run as the detector stops): a read of a count being written sees the old count or the
-new, or at worst (a torn read) a count that differs from the last, which only puts a silence
-off by a beat. A verdict that ends the job is relayed to the node's ranks through a file
-(``verdict``: written whole under the teller's name, then linked, so that the first told
-stays and a rank reads all of it or none). The files stay until the job's memory is freed
-(``ftmem clean``, the job's finish), a few bytes a rank and run.
+rewritten in place at each beat (no descriptor kept: a beat may run as the detector stops): a
+read of a count being written sees the old count or the new, or at worst (a torn read) a
+count that differs from the last, which only puts a silence off by a beat. A verdict that
+ends the job is relayed to the node's ranks through a file (``verdict``: written whole under
+the teller's name, then linked, so that the first told stays and a rank reads all of it or
+none). The files stay until the job's memory is freed (``ftmem clean``, the job's finish), a
+few bytes a rank and run.
 """
 from __future__ import annotations
 
