@@ -5,26 +5,27 @@ stopped process, a GPU off the bus, a network partition) raises nothing by itsel
 
 Each rank beats every :func:`interval_s`, from a thread of its own: a slow step, a long
 flush, a main thread paused in a debugger go on beating; a process stopped whole (SIGSTOP,
-gdb) or gone does not. A node of one rank beats on the job's store (an ``add`` to a counter of
-its own), and its rank watches the next node's (:func:`watched_rank`), so that every rank is
-watched from another host. A node of several ranks beats as one
+gdb) or gone does not. A node of one rank beats on the job's store (an ``add`` to a counter
+of its own), and its rank watches the next node's (:func:`watched_rank`), so that every rank
+is watched from another host. A node of several ranks beats as one
 (:class:`~ftmem._shm.node_beats.NodeBeats`): its lowest rank, the beater, beats on the store
-and watches the next node's beater there, as a rank of its own node does; the node's other
-ranks beat in the node's shared memory, where the beater watches them and each of them watches
-the beater. The store serves 3 requests per node and beat, whatever the job's size: a node's,
-not each rank's. A rank whose watched rank has not beaten for the timeout puts its verdict on
-the store, a :class:`~ftmem._common.agreement.Decision` (the first verdict holds); every
-beater reads it at its next beat and tells its node, whose other ranks read it at theirs; each
-logs one line naming the node and ends its process with :data:`EXIT_CODE`. The rank that put
-it there ends once the live ranks have read it (at most three beats: the beaters', then their
-nodes'): its end may end the store (rank 0 serves it, where the launcher does not) and break
-the others' collectives, and a rank that had not read the verdict would end on that, not
-saying why. A store silent for the timeout that takes no new connection either (the host
-that serves it is lost) ends the rank as well, and so does one where nothing listens any
-more, at once (the process that served it ended: rank 0, under ``env://``; the job can make
-no collective again). A failed beat is no verdict: the next one takes a new connection; and a
-rank blames the rank it watches for the silence its own beats saw, so that a rank whose own
-beats were held up blames nobody.
+and watches the next node's beater there; the node's other
+ranks beat in the node's shared memory, where the beater watches them and each of them
+watches the beater. The store serves 3 requests per node and beat, whatever the job's size: a
+node's, not each rank's. A rank whose watched rank has not beaten for the timeout puts its
+verdict on the store, a :class:`~ftmem._common.agreement.Decision` (the first verdict holds);
+every beater reads it at its next beat and tells its node, whose other ranks it wakes to read
+it; each logs one line naming the node and ends its process with :data:`EXIT_CODE`. The rank
+that put it there ends once the live ranks have read it (at most three beats: the beaters'
+next, and one more for a node's rank that was not woken and reads it at its own next beat):
+its end may end the store (rank 0 serves it, where the launcher does not) and break the
+others' collectives, and a rank that had not read the verdict would end on that, not saying
+why. A store silent for the timeout that takes no new connection either (the host that serves
+it is lost) ends the rank as well, and so does one where nothing listens any more, at once
+(the process that served it ended: rank 0, under ``env://``; the job can make no collective
+again). A failed beat is no verdict: the next one takes a new connection; and a rank blames
+the rank it watches for the silence its own beats saw, so that a rank whose own beats were
+held up blames nobody.
 
 The beats go over a connection of the detector's own: a store client blocks every other use
 of itself while one call waits (the framework's ``get`` of a key a slow rank has not set yet),
@@ -187,8 +188,7 @@ class FailureDetector:
                 if verdict.answered() and not counted:
                     said = verdict.answer()
                     counted = True
-                    if self._node is not None:
-                        self._node.tell(said)  # (first: a read below may wait, where this process serves the store)
+                    self._tell_the_node(said)  # (first: a read below may wait, where this process serves the store)
                     if self._publishing:
                         verdict.read()
                     else:
@@ -213,21 +213,23 @@ class FailureDetector:
 
     def _beat_in_the_node(self) -> None:
         """The beats of a node's rank other than its beater: in the node's memory, where it
-        watches its beater and reads the verdict its beater tells the node."""
-        while not self._stopped.is_set():
-            self._beat_in_the_node_s_memory()
-            try:
-                said = self._node.verdict()
-            except OSError as e:  # (the node's directory gone: its silence is its beater's to see)
-                log.debug("rank %d: could not read its node's verdict (%s)", self.rank, e)
-                said = None
-            if said is not None:
-                read = functools.partial(self._verdict_decision().read, self._live())
-                self._within_a_beat(read, "count its read of the verdict")
-                return self._end(said)
-            self._look_at_the_node()
-            self._judge_the_watched()
-            self._stopped.wait(self.interval_s)
+        watches its beater and reads the verdict its beater tells the node, woken to read it as
+        it is told."""
+        with self._node.waiting() as woken:
+            while not self._stopped.is_set():
+                self._beat_in_the_node_s_memory()
+                try:
+                    said = self._node.verdict()
+                except OSError as e:  # (the node's directory gone: its silence is its beater's to see)
+                    log.debug("rank %d: could not read its node's verdict (%s)", self.rank, e)
+                    said = None
+                if said is not None:
+                    read = functools.partial(self._verdict_decision().read, self._live())
+                    self._within_a_beat(read, "count its read of the verdict")
+                    return self._end(said)
+                self._look_at_the_node()
+                self._judge_the_watched()
+                woken(self.interval_s)
 
     def _beat_in_the_node_s_memory(self, left: bool = False) -> None:
         """One beat in the node's memory, or (``left``) this rank's leaving. Under the lock: a
@@ -372,14 +374,20 @@ class FailureDetector:
                        "lost, or stalled): they end on their own detector or on the failures this rank's end "
                        "causes", live - read, live, wait_s)
 
+    def _tell_the_node(self, verdict: str) -> None:
+        """A beater tells its node's other ranks the verdict, or why it ends: they end on it at
+        their next beat. (Where the node's memory fails, they end on the beater's silence.)"""
+        if self._node is None or not self.beats_on_the_store:
+            return
+        try:
+            self._node.tell(verdict)
+        except OSError as e:
+            log.debug("rank %d: could not tell its node the verdict (%s)", self.rank, e)
+
     def _end(self, verdict: str) -> None:
         if self._stopped.is_set():  # the rank left meanwhile (its engine closed)
             return
-        if self._node is not None and self.beats_on_the_store:
-            try:
-                self._node.tell(verdict)  # the node's other ranks end on it at their next beat
-            except OSError as e:
-                log.debug("rank %d: could not tell its node why it ends (%s)", self.rank, e)
+        self._tell_the_node(verdict)
         rank_error(self.rank, "%s: ending this process (exit code %d) so that the launcher restarts the job at once "
                    "(\"ftmem.failure_detection\" sets the timeout of %.0f s, or turns this off)", verdict, EXIT_CODE,
                    self.timeout_s)

@@ -10,17 +10,19 @@ read of a count being written sees the old count or the new, or at worst (a torn
 count that differs from the last, which only puts a silence off by a beat. A verdict that
 ends the job is relayed to the node's ranks through a file (``verdict``: written whole under
 the teller's name, then linked, so that the first told stays and a rank reads all of it or
-none). The files stay until the job's memory is freed (``ftmem clean``, the job's finish), a
-few bytes a rank and run.
+none), and the ranks that sleep between their beats are woken to read it at once. The files
+stay until the job's memory is freed (``ftmem clean``, the job's finish), a few bytes a rank
+and run.
 """
 from __future__ import annotations
 
 import os
 import struct
-from typing import Optional, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 from ftmem._common.identity import RankIdentity
-from ftmem._shm.private import open_private, private_dir, read_private, write_new
+from ftmem._shm.private import open_private, private_dir, read_private, write_first
+from ftmem._shm.wakeups import Wakeups
 
 _COUNT = struct.Struct("<Q")
 _VERDICT = "verdict"
@@ -37,6 +39,7 @@ class NodeBeats:
         self._dir = os.path.join(beats, run)
         for directory in (beats, self._dir):
             private_dir(directory)
+        self._wakeups = Wakeups(self._dir, "beats")
 
     @classmethod
     def of(cls, identity: RankIdentity, run: str) -> Optional["NodeBeats"]:
@@ -71,15 +74,14 @@ class NodeBeats:
         return _COUNT.unpack(data)[0] if len(data) == _COUNT.size else None
 
     def tell(self, verdict: str) -> None:
-        """Give the node's ranks ``verdict`` (the first told stays)."""
-        mine = self._path(f"{_VERDICT}.{self.rank}")
-        write_new(mine, verdict.encode())
-        try:
-            os.link(mine, self._path(_VERDICT))
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(mine)
+        """Give the node's other ranks ``verdict`` (the first told stays), and wake them."""
+        write_first(self._path(_VERDICT), verdict.encode(), self._path(f"{_VERDICT}.{self.rank}"))
+        self._wakeups.wake(r for r in self.ranks if r != self.rank)
+
+    def waiting(self) -> ContextManager[Callable[[float], None]]:
+        """While this rank waits between its beats: a wait of at most some seconds, which a
+        verdict told to the node ends (:class:`~ftmem._shm.wakeups.Wakeups`)."""
+        return self._wakeups.waiting(self.rank)
 
     def verdict(self) -> Optional[str]:
         """The verdict told to the node, if one was."""

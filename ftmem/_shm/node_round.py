@@ -19,18 +19,16 @@ a second.
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
 import shutil
-import socket
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ftmem._common.agreement import NodeRound
 from ftmem._common.identity import RankIdentity
 from ftmem._common.logs import log
-from ftmem._shm.private import private_dir, read_private, write_new
+from ftmem._shm.private import private_dir, read_private, write_first, write_new
+from ftmem._shm.wakeups import Wakeups
 from ftmem.errors import UnsafeSharedMemory
 
 POLL_S = 0.05  # how often a waiting rank asks its ``meanwhile``, or looks where it cannot be woken
@@ -48,8 +46,7 @@ class SharedMemoryRound(NodeRound):
         self._dir = os.path.join(rounds, name.strip("/").replace("/", "-"))
         for directory in (rounds, self._dir, self._path("came"), self._path("read")):
             private_dir(directory)
-        # The wake-up sockets' names: the same on every rank of the node, however it names the directory.
-        self._wake_prefix = f"\0ftmem-round-{hashlib.sha256(os.path.realpath(self._dir).encode()).hexdigest()[:32]}"
+        self._wakeups = Wakeups(self._dir, "round")
 
     @classmethod
     def of(cls, identity: RankIdentity, name: str) -> Optional["SharedMemoryRound"]:
@@ -103,22 +100,8 @@ class SharedMemoryRound(NodeRound):
         ranks tell it, the first told stays, as on the store): written whole under this rank's
         name, then linked to the answer's, so that a rank reads all of it or none; then each
         waiting rank is woken."""
-        mine = self._path(f"{_ANSWER}.{self.rank}")
-        write_new(mine, answer.encode())
-        try:
-            os.link(mine, self._path(_ANSWER))
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(mine)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as waker:
-            waker.setblocking(False)  # (a rank whose wake-ups queue up is awake: it reads the answer)
-            for rank in self.ranks:
-                if rank != self.rank:
-                    try:
-                        waker.sendto(b"!", self._wake_address(rank))
-                    except OSError:  # not waiting (not come yet, or done): it reads the file when it looks
-                        pass
+        write_first(self._path(_ANSWER), answer.encode(), self._path(f"{_ANSWER}.{self.rank}"))
+        self._wakeups.wake(r for r in self.ranks if r != self.rank)
 
     def answer(self) -> Optional[str]:
         if not os.access(self._path(_ANSWER), os.F_OK):  # (no exception raised: ranks look often)
@@ -132,7 +115,7 @@ class SharedMemoryRound(NodeRound):
         node. A rank waits woken by the teller, looking at the file every :data:`LOOK_S`
         besides, should the wake-up not reach it."""
         end = time.monotonic() + wait_s
-        with self._woken() as woken:
+        with self._wakeups.waiting(self.rank, POLL_S) as woken:
             while True:
                 answer = self.answer()
                 if answer is None and meanwhile is not None and (answer := meanwhile()) is not None:
@@ -141,32 +124,6 @@ class SharedMemoryRound(NodeRound):
                 if answer is not None or left <= 0:
                     return answer
                 woken(min(left, LOOK_S if meanwhile is None else POLL_S))
-
-    @contextlib.contextmanager
-    def _woken(self) -> Iterator[Callable[[float], None]]:
-        """While a rank waits: a wait of at most some seconds, which a teller's wake-up ends,
-        through a socket of the rank's own (in the abstract namespace: no file, and the name's
-        length is not a directory's). Where its name is taken (another process's), a sleep."""
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as wake:
-            try:
-                wake.bind(self._wake_address(self.rank))
-            except OSError as e:
-                log.debug("rank %d: no wake-up socket for its node's round (%s): it looks every %g s", self.rank, e,
-                          POLL_S)
-                yield lambda seconds: time.sleep(min(seconds, POLL_S))
-                return
-
-            def woken(seconds: float) -> None:
-                wake.settimeout(seconds)
-                try:
-                    wake.recv(16)
-                except socket.timeout:
-                    pass
-            yield woken
-
-    def _wake_address(self, rank: int) -> str:
-        """The abstract socket a rank of this node waits on, named by the round's directory."""
-        return f"{self._wake_prefix}-{rank}"
 
     def done(self) -> None:
         """This rank has the answer; the node's last to say so takes the round's files away."""

@@ -89,6 +89,19 @@ def write_new(path: str, data: bytes) -> None:
         f.write(data)
 
 
+def write_first(path: str, data: bytes, scratch: str) -> None:
+    """Create ``path`` holding ``data`` unless something has the name (the first writer's
+    stays): written whole under ``scratch``, a name of this writer's own, then linked, so that a
+    reader sees all of it or none."""
+    write_new(scratch, data)
+    try:
+        os.link(scratch, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(scratch)
+
+
 def write_atomically(path: str, data: bytes, private: bool = False, durable: Optional[bool] = None) -> None:
     """Replace ``path`` by a file holding ``data``: readers see the old or the new bytes,
     never part of them. A symbolic link at ``path`` is replaced, not followed. The file

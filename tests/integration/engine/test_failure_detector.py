@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from datetime import timedelta
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from harness.ranks import REPO
 from ftmem._engine.failure_detector import EXIT_CODE, interval_s
+from ftmem._shm.node_beats import NodeBeats
 
 SCRIPT = textwrap.dedent("""
     import socket, struct, sys, threading, time
@@ -226,3 +228,25 @@ def test_a_node_s_rank_that_leaves_is_no_failure_to_its_beater(tmp_path):
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_a_node_s_rank_is_woken_by_the_verdict_its_beater_tells(tmp_path):
+    """Between two beats a node's rank sleeps (5 s at the default timeout); the verdict its
+    beater tells the node wakes it at once, so that it ends with its beater, not a beat later.
+    The wait here is a minute: woken, it returns long before."""
+    beater, other = (NodeBeats(str(tmp_path), "run", [0, 1], rank) for rank in (0, 1))
+    waiting, slept = threading.Event(), []
+
+    def wait() -> None:
+        with other.waiting() as woken:
+            waiting.set()
+            start = time.monotonic()
+            woken(60)
+            slept.append(time.monotonic() - start)
+    sleeper = threading.Thread(target=wait)
+    sleeper.start()
+    assert waiting.wait(30)
+    beater.tell("node 1 (host h, rank 3) has not answered for 6 s (seen by rank 2)")
+    sleeper.join(90)
+    assert slept and slept[0] < 30, slept  # woken, not its minute run out
+    assert other.verdict() == "node 1 (host h, rank 3) has not answered for 6 s (seen by rank 2)"
