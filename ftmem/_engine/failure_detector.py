@@ -9,20 +9,21 @@ gdb) or gone does not. A node of one rank beats on the job's store (an ``add`` t
 of its own), and its rank watches the next node's (:func:`watched_rank`), so that every rank
 is watched from another host. A node of several ranks beats as one
 (:class:`~ftmem._shm.node_beats.NodeBeats`): its lowest rank, the beater, beats on the store
-and watches the next node's beater there; the node's other
-ranks beat in the node's shared memory, where the beater watches them and each of them
-watches the beater. The store serves 3 requests per node and beat, whatever the job's size: a
-node's, not each rank's. A rank whose watched rank has not beaten for the timeout puts its
-verdict on the store, a :class:`~ftmem._common.agreement.Decision` (the first verdict holds);
-every beater reads it at its next beat and tells its node, whose other ranks it wakes to read
-it; each logs one line naming the node and ends its process with :data:`EXIT_CODE`. The rank
-that put it there ends once the live ranks have read it (at most three beats: the beaters'
-next, and one more for a node's rank that was not woken and reads it at its own next beat):
-its end may end the store (rank 0 serves it, where the launcher does not) and break the
-others' collectives, and a rank that had not read the verdict would end on that, not saying
-why. A store silent for the timeout that takes no new connection either (the host that serves
-it is lost) ends the rank as well, and so does one where nothing listens any more, at once
-(the process that served it ended: rank 0, under ``env://``; the job can make no collective
+and watches the next node's beater there; the node's other ranks beat in the node's shared
+memory, where the beater watches them and each of them watches the beater. The store serves 3
+requests per node and beat, whatever the job's size: a node's, not each rank's. A rank whose
+watched rank has not beaten for the timeout puts its verdict on the store, a
+:class:`~ftmem._common.agreement.Decision` (the first verdict holds); every beater reads it
+at its next beat and tells its node, whose other ranks it wakes to read it, and counts those
+that did among the verdict's readers (the store serves a node's reads too, not each rank's);
+each logs one line naming the node and ends its process with :data:`EXIT_CODE`. The rank that
+put it there ends once the live ranks have read it (at most three beats: the beaters' next,
+and one more for a node's rank that was not woken and reads it at its own next beat): its end
+may end the store (rank 0 serves it, where the launcher does not) and break the others'
+collectives, and a rank that had not read the verdict would end on that, not saying why. A
+store silent for the timeout that takes no new connection either (the host that serves it is
+lost) ends the rank as well, and so does one where nothing listens any more, at once (the
+process that served it ended: rank 0, under ``env://``; the job can make no collective
 again). A failed beat is no verdict: the next one takes a new connection; and a rank blames
 the rank it watches for the silence its own beats saw, so that a rank whose own beats were
 held up blames nobody.
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import functools
 import os
 import socket
 import threading
@@ -68,6 +68,7 @@ from ftmem._shm.node_beats import NodeBeats
 # launcher restart the job; this one tells a failure ftmem detected from a crash).
 EXIT_CODE = 75
 _LEFT = 1 << 40  # added to a rank's counter when it leaves: a count past it is no beat
+_READERS_POLL_S = 0.01  # how often a beater counts its node's readers of the verdict, for a beat at most, once
 REQUESTS_PER_BEAT = 3  # a beat's requests to the store: its own counter, the watched rank's, the verdict's key
 
 
@@ -188,15 +189,15 @@ class FailureDetector:
                 if verdict.answered() and not counted:
                     said = verdict.answer()
                     counted = True
-                    self._tell_the_node(said)  # (first: a read below may wait, where this process serves the store)
+                    read = self._read_by_the_node(said)
                     if self._publishing:
-                        verdict.read()
+                        verdict.read(count=read)
                     else:
                         # Then at once, from this thread: the rank that put it there ends once it
                         # counted this read, and its end may fail this rank's collectives, whose
                         # error would end the process first, not saying why. (Where this process
                         # serves the store, the read waits, bounded, for the others' first.)
-                        verdict.read(self._live())
+                        verdict.read(self._live(), count=read)
                         return self._end(said)
                 if self._watched_host is None and count:  # it set its host before its first beat
                     self._watched_host = self._store.get(self._key + f"host/{self.watched}").decode()
@@ -224,12 +225,29 @@ class FailureDetector:
                     log.debug("rank %d: could not read its node's verdict (%s)", self.rank, e)
                     said = None
                 if said is not None:
-                    read = functools.partial(self._verdict_decision().read, self._live())
-                    self._within_a_beat(read, "count its read of the verdict")
+                    self._node.read()  # (its beater counts it on the store)
                     return self._end(said)
                 self._look_at_the_node()
                 self._judge_the_watched()
                 woken(self.interval_s)
+
+    def _read_by_the_node(self, verdict: str) -> int:
+        """A beater tells its node the verdict and waits, a beat at most, for the node's other
+        ranks to say they read it; how many of the node read it, this rank included (each
+        counted on the store only once it has it: the verdict's watcher ends once they are)."""
+        if self._node is None:
+            return 1
+        self._tell_the_node(verdict)
+        others, end = len(self._node_watched), time.monotonic() + self.interval_s
+        readers = 0
+        while True:
+            try:
+                readers = self._node.readers()
+            except OSError as e:
+                log.debug("rank %d: could not count its node's readers of the verdict (%s)", self.rank, e)
+            if readers >= others or time.monotonic() >= end:
+                return 1 + readers
+            time.sleep(_READERS_POLL_S)
 
     def _beat_in_the_node_s_memory(self, left: bool = False) -> None:
         """One beat in the node's memory, or (``left``) this rank's leaving. Under the lock: a
@@ -327,25 +345,18 @@ class FailureDetector:
         """The job's verdict, on the beats' connection of the moment."""
         return Decision(self._store, self._key + "verdict", self.rank, self._world_size)
 
-    def _within_a_beat(self, call: Callable[[], object], what: str) -> None:
-        """``call()`` on the store, waited for a beat at most: a store that does not answer
-        leaves this rank to end on what it knows."""
-        def bounded() -> None:
-            try:
-                call()
-            except Exception as e:  # the store went meanwhile
-                log.debug("rank %d: could not %s (%s)", self.rank, what, e)
-        threads.start(bounded, "ftmem-failure-verdict").join(self.interval_s)
-
     def _publish(self, verdict: str) -> str:
         """Put ``verdict`` on the store for every rank; the verdict that holds there (an earlier
         one, another rank's, wins). Bounded: a store that does not take it leaves it this rank's."""
         held = [verdict]
 
         def put() -> None:
-            held[0] = self._verdict_decision().propose(verdict)
+            try:
+                held[0] = self._verdict_decision().propose(verdict)
+            except Exception as e:  # the store went meanwhile
+                log.debug("rank %d: could not put its verdict on the store (%s)", self.rank, e)
 
-        self._within_a_beat(put, "put its verdict on the store")
+        threads.start(put, "ftmem-failure-verdict").join(self.interval_s)
         return held[0]
 
     def _live(self, silent: Optional[int] = None) -> int:
@@ -361,8 +372,8 @@ class FailureDetector:
 
     def _until_read(self, silent: int) -> None:
         """Until every live rank has read the verdict on ``silent``, at most three beats (the
-        beaters read it at their next beat, their nodes' other ranks at theirs): where more are
-        lost, the wait runs out and says so."""
+        beaters read it at their next beat, and count their nodes' readers within one more):
+        where more are lost, the wait runs out and says so."""
         live, wait_s = self._live(silent), 3 * self.interval_s
         try:
             read = self._verdict_decision().until_read(live, wait_s)

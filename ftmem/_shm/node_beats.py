@@ -10,7 +10,8 @@ read of a count being written sees the old count or the new, or at worst (a torn
 count that differs from the last, which only puts a silence off by a beat. A verdict that
 ends the job is relayed to the node's ranks through a file (``verdict``: written whole under
 the teller's name, then linked, so that the first told stays and a rank reads all of it or
-none), and the ranks that sleep between their beats are woken to read it at once. The files
+none), and the ranks that sleep between their beats are woken to read it at once; each says
+it read it (``read.<rank>``), and the beater counts them on the store. The files
 stay until the job's memory is freed (``ftmem clean``, the job's finish), a few bytes a rank
 and run.
 """
@@ -21,11 +22,11 @@ import struct
 from typing import Callable, ContextManager, Optional, Sequence
 
 from ftmem._common.identity import RankIdentity
-from ftmem._shm.private import open_private, private_dir, read_private, write_first
+from ftmem._shm.private import open_private, private_dir, read_private, write_first, write_new
 from ftmem._shm.wakeups import Wakeups
 
 _COUNT = struct.Struct("<Q")
-_VERDICT = "verdict"
+_VERDICT, _READ = "verdict", "read"
 
 
 class NodeBeats:
@@ -82,6 +83,17 @@ class NodeBeats:
         """While this rank waits between its beats: a wait of at most some seconds, which a
         verdict told to the node ends (:class:`~ftmem._shm.wakeups.Wakeups`)."""
         return self._wakeups.waiting(self.rank)
+
+    def read(self) -> None:
+        """Say that this rank read the verdict (its beater counts it on the store)."""
+        try:
+            write_new(self._path(f"{_READ}.{self.rank}"), b"")
+        except FileExistsError:  # (said already)
+            pass
+
+    def readers(self) -> int:
+        """How many of the node's ranks said they read the verdict."""
+        return sum(name.startswith(_READ + ".") for name in os.listdir(self._dir))
 
     def verdict(self) -> Optional[str]:
         """The verdict told to the node, if one was."""
