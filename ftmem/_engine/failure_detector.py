@@ -238,7 +238,10 @@ class FailureDetector:
         if self._node is None:
             return 1
         self._tell_the_node(verdict)
-        others, end = len(self._node_watched), time.monotonic() + self.interval_s
+        with self._lock:  # those that can read it: not left, not silent (the verdict may be on one of them)
+            others = sum(w.count is not None and w.count < _LEFT and w.seen - w.moved <= self.timeout_s
+                         for r, w in self._watches.items() if r in self._node_watched)
+        end = time.monotonic() + self.interval_s
         readers = 0
         while True:
             try:
