@@ -11,9 +11,8 @@ count that differs from the last, which only puts a silence off by a beat. A ver
 ends the job is relayed to the node's ranks through a file (``verdict``: written whole under
 the teller's name, then linked, so that the first told stays and a rank reads all of it or
 none), and the ranks that sleep between their beats are woken to read it at once; each says
-it read it (``read.<rank>``), and the beater counts them on the store. The files
-stay until the job's memory is freed (``ftmem clean``, the job's finish), a few bytes a rank
-and run.
+it read it (``read.<rank>``), and the beater counts them on the store. The files stay until
+the job's memory is freed (``ftmem clean``, the job's finish), a few bytes a rank and run.
 """
 from __future__ import annotations
 
